@@ -1,0 +1,104 @@
+//! Criterion benches of the per-request core work: decide, and session lookup + update.
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use ppd_core::grid::{paper_workloads, PAPER_QPS};
+use ppd_core::identity::{conversation_id, features};
+use ppd_core::request::parse_request;
+use ppd_core::session::{NodeId, SessionConfig, SessionTable};
+use ppd_core::table::{Cell, Measurement, Table};
+use ppd_core::tokens::WordRule;
+use ppd_core::{DecisionEngine, DecisionInput, PolicyKind, Weights};
+use std::hint::black_box;
+
+fn table() -> Table {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tables/h100-llama3.1-8b-2P2pD.json"
+    ));
+    if let Ok(t) = text {
+        if let Ok(t) = Table::from_json(&t, "2P2pD") {
+            return t;
+        }
+    }
+    // Fallback when the shipped table is absent: a full synthetic grid.
+    let m = |a, b| Measurement {
+        ttft_ms: a,
+        tpot_ms: b,
+        n: 10,
+    };
+    let mut doc: ppd_core::table::TableDoc = serde_json::from_str(&format!(
+        r#"{{"schema":"ppd-table/1","axes":{{"context_bins":[512,4096],"workloads":{},"qps":{:?}}},"cells":[]}}"#,
+        serde_json::to_string(&paper_workloads()).unwrap(),
+        PAPER_QPS
+    ))
+    .unwrap();
+    for c in ["small", "large"] {
+        for w in paper_workloads() {
+            for q in PAPER_QPS {
+                doc.cells.push(Cell {
+                    context: c.into(),
+                    workload: w.name.clone(),
+                    qps: q,
+                    x0: m(100.0, 8.0),
+                    x1: m(60.0, 9.0),
+                });
+            }
+        }
+    }
+    Table::from_doc(doc, "synthetic").unwrap()
+}
+
+fn bench(c: &mut Criterion) {
+    let engine = DecisionEngine::new(table(), PolicyKind::Ppd, Weights::default());
+    let mut i = 0u32;
+    c.bench_function("decide_ppd", |b| {
+        b.iter(|| {
+            i = i.wrapping_add(1);
+            let input = DecisionInput {
+                conv_hash: u64::from(i),
+                ..DecisionInput::turn(
+                    2,
+                    32 + (i % 900),
+                    64 + (i % 500),
+                    300 + (i % 8000),
+                    f64::from(i % 21),
+                )
+            };
+            black_box(engine.decide(black_box(&input)).unwrap())
+        })
+    });
+
+    let sessions = SessionTable::new(SessionConfig::default()).unwrap();
+    let ids: Vec<String> = (0..100_000).map(|i| format!("{i:032x}")).collect();
+    for id in &ids {
+        sessions.update(id, 0, |s| s.turns = 1);
+    }
+    let d = NodeId::new(3).unwrap();
+    let mut k = 0usize;
+    c.bench_function("session_get_and_update", |b| {
+        b.iter(|| {
+            k = (k + 7919) % ids.len();
+            let id = &ids[k];
+            let s = sessions.get(id, 1);
+            black_box(s);
+            sessions.update(id, 2, |s| {
+                s.turns += 1;
+                s.d = Some(d);
+                s.record_usage(300, 100, 2);
+            })
+        })
+    });
+
+    let body = r#"{"model":"m","messages":[{"role":"system","content":"You are helpful."},{"role":"user","content":"Tell me about the history of the printing press in Europe."},{"role":"assistant","content":"The printing press was developed by Gutenberg around 1440, and it spread quickly across the continent."},{"role":"user","content":"And what happened next?"}],"max_tokens":128,"stream":true}"#;
+    c.bench_function("identify_and_features", |b| {
+        b.iter(|| {
+            let v = parse_request(black_box(body)).unwrap();
+            let id = conversation_id(None, &v).unwrap();
+            let f = features(&v, &WordRule, None, 128).unwrap();
+            black_box((id, f))
+        })
+    });
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

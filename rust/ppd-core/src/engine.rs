@@ -1,0 +1,493 @@
+//! The decision engine: features + table + weights + policy → a route with its reason (Algorithm 1, Phase 2).
+//!
+//! Every outcome is decided here, in [`DecisionEngine::decide`], in one fixed
+//! order: replica-only policy, Turn 1, no session, D unavailable, the policy,
+//! then the overload veto. Table, weights and policy swap atomically while
+//! requests are being decided.
+
+use arc_swap::ArcSwap;
+use std::sync::Arc;
+
+use crate::grid::GridPoint;
+use crate::policy::{ppd::score, Policy, PolicyKind};
+use crate::table::Table;
+use crate::Error;
+
+/// Operator weights of Equation 1.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Weights {
+    pub w_ttft: f64,
+    pub w_tpot: f64,
+}
+
+impl Default for Weights {
+    fn default() -> Self {
+        Weights {
+            w_ttft: 1.0,
+            w_tpot: 1.0,
+        }
+    }
+}
+
+impl Weights {
+    pub fn new(w_ttft: f64, w_tpot: f64) -> Result<Weights, Error> {
+        for (name, w) in [("w_ttft", w_ttft), ("w_tpot", w_tpot)] {
+            if !w.is_finite() || w < 0.0 {
+                return Err(Error::InvalidInput(format!(
+                    "{name} must be a finite number ≥ 0, got {w}"
+                )));
+            }
+        }
+        Ok(Weights { w_ttft, w_tpot })
+    }
+}
+
+/// Where a request goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Path {
+    /// P prefills the whole prompt, its KV moves to D, D decodes (x = 0).
+    Pd,
+    /// The session's pD append-prefills only the new tokens (x = 1).
+    Local,
+    /// A replica prefills and decodes.
+    Replica,
+}
+
+impl Path {
+    pub const ALL: [Path; 3] = [Path::Pd, Path::Local, Path::Replica];
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Path::Pd => "pd",
+            Path::Local => "local",
+            Path::Replica => "replica",
+        }
+    }
+}
+
+/// Why the engine chose a path; logged and counted with every outcome.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Reason {
+    /// Turn 1: nothing is cached yet.
+    Turn1,
+    /// Turn 2+ but the router has no session for the conversation (new or expired).
+    NoSession,
+    /// The session's D is gone or unhealthy.
+    DUnavailable,
+    /// The policy chose local but the session's D is overloaded.
+    DOverloaded,
+    /// S > 0 in the request's cell.
+    ScorePositive,
+    /// S ≤ 0 in the request's cell.
+    ScoreNegative,
+    /// A static policy (`pd` or `local`) fixed the path.
+    Forced,
+    /// The conversation falls in the fraction policy's local share.
+    FractionLocal,
+    /// The conversation falls outside the fraction policy's local share.
+    FractionPd,
+    /// The replica policy sends everything to replicas.
+    ReplicaPolicy,
+}
+
+impl Reason {
+    pub const ALL: [Reason; 10] = [
+        Reason::Turn1,
+        Reason::NoSession,
+        Reason::DUnavailable,
+        Reason::DOverloaded,
+        Reason::ScorePositive,
+        Reason::ScoreNegative,
+        Reason::Forced,
+        Reason::FractionLocal,
+        Reason::FractionPd,
+        Reason::ReplicaPolicy,
+    ];
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Turn1 => "turn1",
+            Reason::NoSession => "no_session",
+            Reason::DUnavailable => "d_unavailable",
+            Reason::DOverloaded => "d_overloaded",
+            Reason::ScorePositive => "score_positive",
+            Reason::ScoreNegative => "score_negative",
+            Reason::Forced => "forced",
+            Reason::FractionLocal => "fraction_local",
+            Reason::FractionPd => "fraction_pd",
+            Reason::ReplicaPolicy => "replica_policy",
+        }
+    }
+}
+
+/// What the engine knows of one request.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DecisionInput {
+    pub turn: u32,
+    pub n_in: u32,
+    pub n_out: u32,
+    pub n_ctx: u32,
+    /// Current conversation arrival rate (the table's QPS axis).
+    pub qps: f64,
+    /// [`crate::identity::hash_id`] of the conversation id.
+    pub conv_hash: u64,
+    /// The router holds a live session (and so a D with this conversation's KV).
+    pub has_session: bool,
+    /// That D is registered and healthy.
+    pub d_available: bool,
+    /// That D is over its load limit (a veto on local).
+    pub d_overloaded: bool,
+}
+
+impl DecisionInput {
+    /// A Turn 2+ request on a live, available, unloaded session.
+    pub fn turn(turn: u32, n_in: u32, n_out: u32, n_ctx: u32, qps: f64) -> Self {
+        DecisionInput {
+            turn,
+            n_in,
+            n_out,
+            n_ctx,
+            qps,
+            conv_hash: 0,
+            has_session: true,
+            d_available: true,
+            d_overloaded: false,
+        }
+    }
+
+    fn validate(&self) -> Result<(), Error> {
+        if !self.qps.is_finite() || self.qps < 0.0 {
+            return Err(Error::InvalidInput(format!(
+                "qps must be a finite number ≥ 0, got {}",
+                self.qps
+            )));
+        }
+        if self.turn == 0 {
+            return Err(Error::InvalidInput("turn must be at least 1".into()));
+        }
+        Ok(())
+    }
+}
+
+/// The request's cell and its score under the current weights.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Scored {
+    /// The grid point the features discretize to.
+    pub point: GridPoint,
+    /// The populated cell that answered for it (== point unless it fell back).
+    pub cell_at: GridPoint,
+    /// Distance of the fallback (0 when the cell is populated).
+    pub distance: f64,
+    pub d_ttft: f64,
+    pub d_tpot: f64,
+    pub score: f64,
+}
+
+/// The decision.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Route {
+    pub path: Path,
+    pub reason: Reason,
+    /// Present for Turn 2+ requests that reached the table.
+    pub scored: Option<Scored>,
+}
+
+pub struct DecisionEngine {
+    table: ArcSwap<Table>,
+    weights: ArcSwap<Weights>,
+    policy: ArcSwap<Box<dyn Policy>>,
+}
+
+impl DecisionEngine {
+    pub fn new(table: Table, policy: PolicyKind, weights: Weights) -> Self {
+        DecisionEngine {
+            table: ArcSwap::from_pointee(table),
+            weights: ArcSwap::from_pointee(weights),
+            policy: ArcSwap::from_pointee(policy.build()),
+        }
+    }
+
+    pub fn table(&self) -> Arc<Table> {
+        self.table.load_full()
+    }
+    pub fn weights(&self) -> Weights {
+        **self.weights.load()
+    }
+    pub fn policy(&self) -> PolicyKind {
+        self.policy.load().kind()
+    }
+
+    /// Takes effect for the next decision; no reload, no lock.
+    pub fn set_weights(&self, w: Weights) {
+        self.weights.store(Arc::new(w));
+    }
+    pub fn set_table(&self, t: Table) {
+        self.table.store(Arc::new(t));
+    }
+    pub fn set_policy(&self, p: PolicyKind) {
+        self.policy.store(Arc::new(p.build()));
+    }
+
+    /// Cell and score of Turn 2+ features, whatever the policy.
+    pub fn score(&self, input: &DecisionInput) -> Scored {
+        let table = self.table.load();
+        let w = **self.weights.load();
+        score_in(&table, input, w)
+    }
+
+    pub fn decide(&self, input: &DecisionInput) -> Result<Route, Error> {
+        input.validate()?;
+        let policy = self.policy.load();
+        if policy.replica_only() {
+            return Ok(Route {
+                path: Path::Replica,
+                reason: Reason::ReplicaPolicy,
+                scored: None,
+            });
+        }
+        if input.turn == 1 {
+            return Ok(Route {
+                path: Path::Pd,
+                reason: Reason::Turn1,
+                scored: None,
+            });
+        }
+        let w = **self.weights.load();
+        let scored = score_in(&self.table.load(), input, w);
+        let early = |reason| {
+            Ok(Route {
+                path: Path::Pd,
+                reason,
+                scored: Some(scored),
+            })
+        };
+        if !input.has_session {
+            return early(Reason::NoSession);
+        }
+        if !input.d_available {
+            return early(Reason::DUnavailable);
+        }
+        let (path, reason) = policy.choose(input, &scored, w);
+        if path == Path::Local && input.d_overloaded {
+            return early(Reason::DOverloaded);
+        }
+        Ok(Route {
+            path,
+            reason,
+            scored: Some(scored),
+        })
+    }
+}
+
+fn score_in(table: &Table, input: &DecisionInput, w: Weights) -> Scored {
+    let (point, r) = table.lookup(input.n_ctx, input.n_in, input.n_out, input.qps);
+    Scored {
+        point,
+        cell_at: r.at,
+        distance: r.distance,
+        d_ttft: r.d_ttft,
+        d_tpot: r.d_tpot,
+        score: score(r.d_ttft, r.d_tpot, w),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::fraction::unit_interval;
+    use crate::table::tests::{cell, doc_with, m};
+    use proptest::prelude::*;
+
+    /// Local helps TTFT and hurts TPOT everywhere (the paper's premise), by
+    /// amounts that vary per cell.
+    fn tradeoff_table() -> Table {
+        let wl = crate::grid::paper_workloads();
+        let mut cells = Vec::new();
+        for (ci, c) in ["small", "large"].iter().enumerate() {
+            for (wi, w) in wl.iter().enumerate() {
+                for (qi, &q) in crate::grid::PAPER_QPS.iter().enumerate() {
+                    let gain = 0.1 + 0.05 * ((ci + wi + qi) % 10) as f64; // 10%..55% TTFT
+                    let cost = 0.02 + 0.03 * ((wi * 7 + qi * 3) % 12) as f64; // 2%..35% TPOT
+                    cells.push(cell(
+                        c,
+                        &w.name,
+                        q,
+                        m(100.0, 10.0),
+                        m(100.0 * (1.0 - gain), 10.0 * (1.0 + cost)),
+                    ));
+                }
+            }
+        }
+        Table::from_doc(doc_with(cells), "tradeoff").unwrap()
+    }
+
+    fn engine(policy: PolicyKind, w: Weights) -> DecisionEngine {
+        DecisionEngine::new(tradeoff_table(), policy, w)
+    }
+
+    #[test]
+    fn turn_one_always_takes_pd() {
+        for p in [
+            PolicyKind::Ppd,
+            PolicyKind::Local,
+            PolicyKind::Fraction(1.0),
+        ] {
+            let r = engine(p, Weights::default())
+                .decide(&DecisionInput::turn(1, 100, 100, 0, 1.0))
+                .unwrap();
+            assert_eq!((r.path, r.reason), (Path::Pd, Reason::Turn1));
+        }
+    }
+
+    #[test]
+    fn replica_policy_sends_every_turn_to_replicas() {
+        let e = engine(PolicyKind::Replica, Weights::default());
+        for t in [1, 2, 7] {
+            let r = e.decide(&DecisionInput::turn(t, 10, 10, 10, 1.0)).unwrap();
+            assert_eq!((r.path, r.reason), (Path::Replica, Reason::ReplicaPolicy));
+        }
+    }
+
+    #[test]
+    fn session_and_node_state_override_the_policy() {
+        let e = engine(PolicyKind::Local, Weights::default());
+        let base = DecisionInput::turn(2, 64, 64, 300, 4.0);
+        let r = e
+            .decide(&DecisionInput {
+                has_session: false,
+                ..base
+            })
+            .unwrap();
+        assert_eq!((r.path, r.reason), (Path::Pd, Reason::NoSession));
+        let r = e
+            .decide(&DecisionInput {
+                d_available: false,
+                ..base
+            })
+            .unwrap();
+        assert_eq!((r.path, r.reason), (Path::Pd, Reason::DUnavailable));
+        let r = e
+            .decide(&DecisionInput {
+                d_overloaded: true,
+                ..base
+            })
+            .unwrap();
+        assert_eq!((r.path, r.reason), (Path::Pd, Reason::DOverloaded));
+        let r = e.decide(&base).unwrap();
+        assert_eq!((r.path, r.reason), (Path::Local, Reason::Forced));
+        let r = engine(PolicyKind::Pd, Weights::default())
+            .decide(&base)
+            .unwrap();
+        assert_eq!((r.path, r.reason), (Path::Pd, Reason::Forced));
+    }
+
+    #[test]
+    fn ppd_goes_local_exactly_when_the_score_is_positive() {
+        let e = engine(PolicyKind::Ppd, Weights::new(1.0, 1.0).unwrap());
+        let t = e.table();
+        for p in t.grid().points() {
+            let w = &t.grid().workloads()[usize::from(p.workload)];
+            let input = DecisionInput::turn(
+                2,
+                w.n_in,
+                w.n_out,
+                t.grid().representative_context(usize::from(p.context)),
+                t.grid().qps_levels()[usize::from(p.qps)],
+            );
+            let r = e.decide(&input).unwrap();
+            let s = r.scored.unwrap();
+            let c = t.cell(t.resolve(p).cell).unwrap();
+            let expect = (c.x0.ttft_ms - c.x1.ttft_ms) / c.x0.ttft_ms
+                - (c.x1.tpot_ms - c.x0.tpot_ms) / c.x0.tpot_ms;
+            assert!((s.score - expect).abs() < 1e-12);
+            assert_eq!(r.path == Path::Local, expect > 0.0);
+            assert_eq!(
+                r.reason,
+                if expect > 0.0 {
+                    Reason::ScorePositive
+                } else {
+                    Reason::ScoreNegative
+                }
+            );
+        }
+    }
+
+    #[test]
+    fn extreme_weights_recover_x0_and_x1() {
+        // Where local always wins TTFT and always loses TPOT, w_tpot = 0 is
+        // x ≡ 1 and w_ttft = 0 is x ≡ 0 (paper §6.3, §6.5).
+        let x1 = engine(PolicyKind::Ppd, Weights::new(1.0, 0.0).unwrap());
+        let x0 = engine(PolicyKind::Ppd, Weights::new(0.0, 1.0).unwrap());
+        let t = x1.table();
+        for p in t.grid().points() {
+            let w = &t.grid().workloads()[usize::from(p.workload)];
+            let input = DecisionInput::turn(
+                3,
+                w.n_in,
+                w.n_out,
+                t.grid().representative_context(usize::from(p.context)),
+                t.grid().qps_levels()[usize::from(p.qps)],
+            );
+            assert_eq!(x1.decide(&input).unwrap().path, Path::Local);
+            assert_eq!(x0.decide(&input).unwrap().path, Path::Pd);
+        }
+    }
+
+    #[test]
+    fn weights_change_live() {
+        let e = engine(PolicyKind::Ppd, Weights::new(1.0, 0.0).unwrap());
+        let input = DecisionInput::turn(2, 512, 64, 2000, 8.0);
+        assert_eq!(e.decide(&input).unwrap().path, Path::Local);
+        e.set_weights(Weights::new(0.0, 1.0).unwrap());
+        assert_eq!(e.decide(&input).unwrap().path, Path::Pd);
+        e.set_policy(PolicyKind::Local);
+        assert_eq!(e.decide(&input).unwrap().path, Path::Local);
+        assert_eq!(e.policy(), PolicyKind::Local);
+    }
+
+    #[test]
+    fn bad_inputs_are_errors_not_panics() {
+        let e = engine(PolicyKind::Ppd, Weights::default());
+        for q in [f64::NAN, f64::INFINITY, -1.0] {
+            assert!(e.decide(&DecisionInput::turn(2, 1, 1, 1, q)).is_err());
+        }
+        assert!(e.decide(&DecisionInput::turn(0, 1, 1, 1, 1.0)).is_err());
+        assert!(Weights::new(f64::NAN, 1.0).is_err());
+        assert!(Weights::new(1.0, -0.5).is_err());
+    }
+
+    #[test]
+    fn fraction_share_holds_and_is_stable_per_conversation() {
+        for x in [0.0, 0.25, 0.5, 0.9, 1.0] {
+            let e = engine(PolicyKind::Fraction(x), Weights::default());
+            let n = 20_000;
+            let mut local = 0;
+            for i in 0..n {
+                let h = crate::identity::hash_id(&format!("conversation-{i}"));
+                let input = DecisionInput {
+                    conv_hash: h,
+                    ..DecisionInput::turn(2, 32, 256, 300, 2.0)
+                };
+                let a = e.decide(&input).unwrap();
+                let b = e.decide(&DecisionInput { turn: 5, ..input }).unwrap();
+                assert_eq!(a.path, b.path, "a conversation stays on one side");
+                local += usize::from(a.path == Path::Local);
+            }
+            let share = local as f64 / n as f64;
+            assert!((share - x).abs() < 0.015, "x={x} share={share}");
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn decide_is_total_over_valid_inputs(turn in 1u32..100, n_in in any::<u32>(), n_out in any::<u32>(), n_ctx in any::<u32>(), qps in 0.0f64..1e5, h in any::<u64>(), wt in 0.0f64..1e6, wp in 0.0f64..1e6) {
+            let e = engine(PolicyKind::Ppd, Weights::new(wt, wp).unwrap());
+            let r = e.decide(&DecisionInput { conv_hash: h, ..DecisionInput::turn(turn, n_in, n_out, n_ctx, qps) }).unwrap();
+            if turn == 1 { prop_assert_eq!(r.reason, Reason::Turn1); } else { prop_assert!(r.scored.is_some()); }
+        }
+
+        #[test]
+        fn unit_interval_is_in_range(h in any::<u64>()) {
+            let u = unit_interval(h);
+            prop_assert!((0.0..1.0).contains(&u));
+        }
+    }
+}

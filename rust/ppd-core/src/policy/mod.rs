@@ -1,0 +1,126 @@
+//! Routing policies: each decides the path of a Turn 2+ request whose session's D can serve it.
+//!
+//! The engine settles everything common (Turn 1, unknown session, D gone, D
+//! overloaded) before and after a policy runs, so a policy is one small rule.
+
+pub mod fraction;
+mod local;
+mod pd;
+pub mod ppd;
+mod replica;
+
+pub use fraction::FractionPolicy;
+pub use local::LocalPolicy;
+pub use pd::PdPolicy;
+pub use ppd::PpdPolicy;
+pub use replica::ReplicaPolicy;
+
+use crate::engine::{DecisionInput, Path, Reason, Scored, Weights};
+use crate::Error;
+
+pub trait Policy: Send + Sync {
+    fn kind(&self) -> PolicyKind;
+    /// The path for a Turn 2+ request with a live session on an available D.
+    fn choose(&self, input: &DecisionInput, scored: &Scored, weights: Weights) -> (Path, Reason);
+    /// Whether every turn, Turn 1 included, goes to a replica.
+    fn replica_only(&self) -> bool {
+        false
+    }
+}
+
+/// The policies one engine can run, by name: `pd`, `local`, `fraction:X`, `replica`, `ppd`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum PolicyKind {
+    /// x ≡ 0: Turn 2+ always re-enters through P.
+    Pd,
+    /// x ≡ 1: Turn 2+ always append-prefills on the session's pD.
+    Local,
+    /// A reproducible share x of Turn 2+ conversations goes local.
+    Fraction(f64),
+    /// Every request to a replica.
+    Replica,
+    /// Equation 1 on the lookup table.
+    Ppd,
+}
+
+impl PolicyKind {
+    pub fn parse(s: &str) -> Result<PolicyKind, Error> {
+        let s = s.trim();
+        match s {
+            "pd" | "x0" => Ok(PolicyKind::Pd),
+            "local" | "x1" => Ok(PolicyKind::Local),
+            "replica" => Ok(PolicyKind::Replica),
+            "ppd" => Ok(PolicyKind::Ppd),
+            _ => {
+                let x = s.strip_prefix("fraction:").ok_or_else(|| {
+                    Error::Config(format!(
+                        "unknown policy {s:?}; expected pd, local, fraction:X, replica or ppd"
+                    ))
+                })?;
+                let x: f64 = x.parse().map_err(|_| {
+                    Error::Config(format!("policy {s:?}: fraction must be a number in [0, 1]"))
+                })?;
+                if !(0.0..=1.0).contains(&x) {
+                    return Err(Error::Config(format!(
+                        "policy {s:?}: fraction must be in [0, 1]"
+                    )));
+                }
+                Ok(PolicyKind::Fraction(x))
+            }
+        }
+    }
+
+    pub fn build(self) -> Box<dyn Policy> {
+        match self {
+            PolicyKind::Pd => Box::new(PdPolicy),
+            PolicyKind::Local => Box::new(LocalPolicy),
+            PolicyKind::Fraction(x) => Box::new(FractionPolicy::new(x)),
+            PolicyKind::Replica => Box::new(ReplicaPolicy),
+            PolicyKind::Ppd => Box::new(PpdPolicy),
+        }
+    }
+}
+
+impl std::fmt::Display for PolicyKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PolicyKind::Pd => write!(f, "pd"),
+            PolicyKind::Local => write!(f, "local"),
+            PolicyKind::Fraction(x) => write!(f, "fraction:{x}"),
+            PolicyKind::Replica => write!(f, "replica"),
+            PolicyKind::Ppd => write!(f, "ppd"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse_and_print_back() {
+        for s in [
+            "pd",
+            "local",
+            "replica",
+            "ppd",
+            "fraction:0.5",
+            "fraction:0",
+            "fraction:1",
+        ] {
+            assert_eq!(PolicyKind::parse(s).unwrap().to_string(), s);
+        }
+        assert_eq!(PolicyKind::parse("x0").unwrap(), PolicyKind::Pd);
+    }
+
+    #[test]
+    fn bad_names_are_rejected_with_the_reason() {
+        assert!(PolicyKind::parse("fast")
+            .unwrap_err()
+            .to_string()
+            .contains("unknown policy"));
+        assert!(PolicyKind::parse("fraction:1.5").is_err());
+        assert!(PolicyKind::parse("fraction:NaN").is_err());
+        assert!(PolicyKind::parse("fraction:").is_err());
+    }
+}

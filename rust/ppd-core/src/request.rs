@@ -1,0 +1,233 @@
+//! The parts of an OpenAI-style request body that routing reads, parsed without copying the rest.
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use std::borrow::Cow;
+
+use crate::Error;
+
+/// A `/v1/chat/completions` or `/v1/completions` body, as far as routing needs it.
+/// Message contents stay raw JSON until counted, so unread fields cost nothing.
+#[derive(Debug, Deserialize)]
+pub struct RequestView<'a> {
+    #[serde(borrow, default)]
+    pub model: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    pub messages: Option<Vec<MessageView<'a>>>,
+    #[serde(borrow, default)]
+    pub prompt: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    pub conversation_id: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    pub session_id: Option<Cow<'a, str>>,
+    #[serde(default)]
+    pub max_tokens: Option<u64>,
+    #[serde(default)]
+    pub max_completion_tokens: Option<u64>,
+    #[serde(default)]
+    pub stream: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct MessageView<'a> {
+    #[serde(borrow)]
+    pub role: Cow<'a, str>,
+    #[serde(borrow, default)]
+    pub content: Option<&'a RawValue>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ContentPart<'a> {
+    #[serde(borrow, default, rename = "type")]
+    kind: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    text: Option<Cow<'a, str>>,
+}
+
+/// The text of a message's content: a string, or the `text` parts of a list
+/// (joined by newlines); `null` and non-text parts contribute nothing.
+#[derive(Debug, PartialEq, Eq)]
+pub enum ContentText<'a> {
+    Empty,
+    One(Cow<'a, str>),
+    Parts(Vec<Cow<'a, str>>),
+}
+
+impl<'a> ContentText<'a> {
+    pub fn parse(raw: Option<&'a RawValue>) -> Result<Self, Error> {
+        let Some(raw) = raw else {
+            return Ok(ContentText::Empty);
+        };
+        let s = raw.get().trim_start();
+        match s.as_bytes().first() {
+            Some(b'"') => {
+                let text: Cow<'a, str> = serde_json::from_str(raw.get())
+                    .map_err(|e| Error::BadRequest(format!("message content: {e}")))?;
+                Ok(ContentText::One(text))
+            }
+            Some(b'[') => {
+                let parts: Vec<ContentPart<'a>> = serde_json::from_str(raw.get())
+                    .map_err(|e| Error::BadRequest(format!("message content parts: {e}")))?;
+                let texts = parts
+                    .into_iter()
+                    .filter(|p| p.kind.as_deref().is_none_or(|k| k == "text"))
+                    .filter_map(|p| p.text)
+                    .collect();
+                Ok(ContentText::Parts(texts))
+            }
+            Some(b'n') if s == "null" => Ok(ContentText::Empty),
+            _ => Err(Error::BadRequest(
+                "message content must be a string, a list of parts or null".into(),
+            )),
+        }
+    }
+
+    /// Tokens of the content under a counter (parts counted one by one).
+    pub fn count(&self, counter: &dyn crate::tokens::TokenCounter) -> u32 {
+        match self {
+            ContentText::Empty => 0,
+            ContentText::One(t) => counter.count(t),
+            ContentText::Parts(ps) => ps
+                .iter()
+                .fold(0u32, |acc, p| acc.saturating_add(counter.count(p))),
+        }
+    }
+
+    /// The whole text, parts joined by `\n` (what the conversation hash reads).
+    pub fn joined(&self) -> Cow<'_, str> {
+        match self {
+            ContentText::Empty => Cow::Borrowed(""),
+            ContentText::One(t) => Cow::Borrowed(t.as_ref()),
+            ContentText::Parts(ps) if ps.len() == 1 => Cow::Borrowed(ps[0].as_ref()),
+            ContentText::Parts(ps) => {
+                Cow::Owned(ps.iter().map(|p| p.as_ref()).collect::<Vec<_>>().join("\n"))
+            }
+        }
+    }
+}
+
+/// The `prompt` of `/v1/completions`: a string, a list of strings (the first is
+/// routed), or token ids (a list of integers, or a list of such lists).
+#[derive(Debug, PartialEq, Eq)]
+pub enum PromptText<'a> {
+    Text(Cow<'a, str>),
+    TokenIds(Vec<u32>),
+}
+
+impl<'a> PromptText<'a> {
+    pub fn parse(raw: &'a RawValue) -> Result<Self, Error> {
+        let bad = |e: serde_json::Error| Error::BadRequest(format!("prompt: {e}"));
+        let s = raw.get().trim_start();
+        if s.starts_with('"') {
+            return Ok(PromptText::Text(
+                serde_json::from_str(raw.get()).map_err(bad)?,
+            ));
+        }
+        if !s.starts_with('[') {
+            return Err(Error::BadRequest(
+                "prompt must be a string, a list of strings or token ids".into(),
+            ));
+        }
+        let items: Vec<&'a RawValue> = serde_json::from_str(raw.get()).map_err(bad)?;
+        let Some(first) = items.first() else {
+            return Err(Error::BadRequest("prompt must not be empty".into()));
+        };
+        let f = first.get().trim_start();
+        if f.starts_with('"') {
+            Ok(PromptText::Text(
+                serde_json::from_str(first.get()).map_err(bad)?,
+            ))
+        } else if f.starts_with('[') {
+            Ok(PromptText::TokenIds(
+                serde_json::from_str(first.get()).map_err(bad)?,
+            ))
+        } else {
+            Ok(PromptText::TokenIds(
+                serde_json::from_str(raw.get()).map_err(bad)?,
+            ))
+        }
+    }
+}
+
+/// Parses a request body; a clear error names what is wrong.
+pub fn parse_request(body: &str) -> Result<RequestView<'_>, Error> {
+    let view: RequestView<'_> = serde_json::from_str(body)
+        .map_err(|e| Error::BadRequest(format!("invalid JSON body: {e}")))?;
+    if view.messages.is_none() && view.prompt.is_none() {
+        return Err(Error::BadRequest(
+            "body has neither `messages` nor `prompt`".into(),
+        ));
+    }
+    Ok(view)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn string_and_part_contents_both_parse() {
+        let body = r#"{"messages":[{"role":"user","content":"hi there"},
+            {"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url","image_url":{"url":"x"}},{"type":"text","text":"b"}]}]}"#;
+        let v = parse_request(body).unwrap();
+        let msgs = v.messages.unwrap();
+        assert_eq!(
+            ContentText::parse(msgs[0].content).unwrap().joined(),
+            "hi there"
+        );
+        assert_eq!(
+            ContentText::parse(msgs[1].content).unwrap().joined(),
+            "a\nb"
+        );
+    }
+
+    #[test]
+    fn escaped_strings_are_decoded() {
+        let body = r#"{"messages":[{"role":"user","content":"line\none \"q\""}]}"#;
+        let v = parse_request(body).unwrap();
+        let msgs = v.messages.unwrap();
+        assert_eq!(
+            ContentText::parse(msgs[0].content).unwrap().joined(),
+            "line\none \"q\""
+        );
+    }
+
+    #[test]
+    fn bad_bodies_are_rejected_with_reasons() {
+        assert!(parse_request("not json").is_err());
+        assert!(parse_request("{}").is_err());
+        let e = parse_request(r#"{"messages":[],"max_tokens":-3}"#).unwrap_err();
+        assert!(
+            e.to_string().contains("max_tokens") || e.to_string().contains("invalid"),
+            "{e}"
+        );
+        let v = parse_request(r#"{"messages":[{"role":"user","content":7}]}"#).unwrap();
+        assert!(ContentText::parse(v.messages.unwrap()[0].content).is_err());
+    }
+
+    #[test]
+    fn prompt_forms_parse() {
+        let v = parse_request(r#"{"prompt":"hello"}"#).unwrap();
+        assert_eq!(
+            PromptText::parse(v.prompt.unwrap()).unwrap(),
+            PromptText::Text("hello".into())
+        );
+        let v = parse_request(r#"{"prompt":["a","b"]}"#).unwrap();
+        assert_eq!(
+            PromptText::parse(v.prompt.unwrap()).unwrap(),
+            PromptText::Text("a".into())
+        );
+        let v = parse_request(r#"{"prompt":[1,2,3]}"#).unwrap();
+        assert_eq!(
+            PromptText::parse(v.prompt.unwrap()).unwrap(),
+            PromptText::TokenIds(vec![1, 2, 3])
+        );
+        let v = parse_request(r#"{"prompt":[[4,5]]}"#).unwrap();
+        assert_eq!(
+            PromptText::parse(v.prompt.unwrap()).unwrap(),
+            PromptText::TokenIds(vec![4, 5])
+        );
+        let v = parse_request(r#"{"prompt":[]}"#).unwrap();
+        assert!(PromptText::parse(v.prompt.unwrap()).is_err());
+    }
+}
