@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Runs every test of the project on a fresh machine: builds the Rust workspace
+# and the Python extension into a project venv, then Rust lints and tests, then pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV="${PPD_VENV:-.venv}"
+if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV"
+fi
+# shellcheck disable=SC1091
+. "$VENV/bin/activate"
+python -m pip install -q --upgrade pip
+python -m pip install -q "maturin>=1.7,<2"
+
+echo "== build: Python extension (release) and its dependencies"
+maturin develop -q --release --extras test
+
+echo "== rust: fmt, clippy, tests"
+cargo fmt --all -- --check
+cargo clippy -q --workspace --all-targets -- -D warnings
+cargo test -q --workspace
+
+echo "== python: pytest"
+set +e
+python -m pytest tests -q -p no:cacheprovider "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+    echo "pytest collected no tests: the suite is missing" >&2
+    exit 1
+fi
+exit "$rc"

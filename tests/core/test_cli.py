@@ -1,0 +1,58 @@
+"""The ``ppd-router table`` commands."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from ppd_router.cli import main
+
+from ..conftest import TABLES
+
+TABLE = str(TABLES / "h100-llama3.1-8b-2P2pD.json")
+
+
+def test_decide_prints_one_json_route(capsys):
+    rc = main(["table", "decide", TABLE, "--turn", "2", "--n-in", "512", "--n-out", "64", "--ctx", "2000", "--qps", "20"])
+    assert rc == 0
+    route = json.loads(capsys.readouterr().out)
+    assert set(route) >= {"path", "reason", "score", "cell"}
+    assert route["path"] == "pd" and route["reason"] == "score_negative"
+    assert route["cell"]["workload"] == "big_paste"
+
+
+def test_decide_turn_one_and_weights(capsys):
+    main(["table", "decide", TABLE, "--turn", "1", "--n-in", "10", "--n-out", "10", "--ctx", "0", "--qps", "1"])
+    assert json.loads(capsys.readouterr().out)["reason"] == "turn1"
+    args = ["table", "decide", TABLE, "--turn", "2", "--n-in", "512", "--n-out", "64", "--ctx", "2000", "--qps", "16"]
+    main(args)
+    assert json.loads(capsys.readouterr().out)["path"] == "local"
+    main(args + ["--w-tpot", "100"])
+    assert json.loads(capsys.readouterr().out)["path"] == "pd"
+
+
+def test_show_prints_every_cell_decision(capsys):
+    assert main(["table", "show", TABLE]) == 0
+    out = capsys.readouterr().out
+    assert "context huge" in out and "big_paste" in out
+    sections = out.split("\ncontext ")[1:]
+    assert [s.split()[0] for s in sections] == ["small", "large", "huge"]
+    grids = [[line.split()[1:] for line in s.splitlines()[2:11]] for s in sections]
+    # No huge-context point was measured: every huge entry is the large one, marked as a fallback.
+    assert all(e.startswith("~") for row in grids[2] for e in row)
+    flat = lambda g: [e.lstrip("~") for row in g for e in row]
+    assert flat(grids[2]) == flat(grids[1])
+    n_local = sum(e.startswith("L") for g in grids for e in flat(g))
+    assert f"local in {n_local} of 270 grid points" in out
+
+
+def test_bad_input_exits_2_with_a_message(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    r = subprocess.run([sys.executable, "-m", "ppd_router.cli", "table", "show", str(bad)], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "bad.json" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "ppd_router.cli", "table", "decide", TABLE, "--turn", "2", "--n-in", "-4",
+                        "--n-out", "1", "--ctx", "1", "--qps", "1"], capture_output=True, text=True)
+    assert r.returncode == 2 and "n_in" in r.stderr
