@@ -5,6 +5,7 @@
 //! [`policy`] to the [`table`] on the [`grid`], and [`session`] remembers the
 //! outcome for the next turn.
 
+pub mod emu;
 pub mod engine;
 pub mod grid;
 pub mod identity;
