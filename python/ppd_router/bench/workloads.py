@@ -185,9 +185,9 @@ _WC_EXTRA_P = 1.0 / 2.1
 # Per-turn sizes: log-normal (median, sigma), clipped. The medians were fitted
 # with bench/scripts/fit_wildchat_like.py so that the P90 of Turn 2+ prompt
 # context over 20,000 seeded conversations is ~5,115 tokens (the paper's value).
-_WC_T1_IN = (190.0, 1.4)
-_WC_IN = (60.0, 1.3)
-_WC_OUT = (380.0, 0.75)
+_WC_T1_IN = (275.0, 1.4)
+_WC_IN = (87.0, 1.3)
+_WC_OUT = (550.0, 0.75)
 _WC_CLIP_IN, _WC_CLIP_OUT = (1, 8192), (8, 2048)
 
 
