@@ -7,7 +7,7 @@
 use lru::LruCache;
 use parking_lot::Mutex;
 use std::num::NonZeroU32;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 /// A node of the registry; ids are never reused while a table refers to them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -121,7 +121,10 @@ type Shard = LruCache<Box<str>, Session, ahash::RandomState>;
 pub struct SessionTable {
     shards: Box<[Mutex<Shard>]>,
     shard_mask: usize,
-    per_shard_capacity: usize,
+    capacity: usize,
+    /// Sessions held over all shards; the capacity bound is global, so an
+    /// unevenly hashed shard does not evict while others have room.
+    live: AtomicUsize,
     ttl_ms: u64,
     picker: ahash::RandomState,
     counters: Counters,
@@ -151,7 +154,8 @@ impl SessionTable {
         Ok(SessionTable {
             shards,
             shard_mask: n - 1,
-            per_shard_capacity: config.capacity.div_ceil(n),
+            capacity: config.capacity,
+            live: AtomicUsize::new(0),
             ttl_ms: config.ttl_ms,
             picker: ahash::RandomState::with_seeds(5, 6, 7, 8),
             counters: Counters::default(),
@@ -177,6 +181,7 @@ impl SessionTable {
         let s = shard.get_mut(id)?;
         if self.expired(s, now_ms) {
             shard.pop(id);
+            self.live.fetch_sub(1, Ordering::AcqRel);
             self.counters.expired.fetch_add(1, Ordering::Relaxed);
             return None;
         }
@@ -201,11 +206,8 @@ impl SessionTable {
             }
             Some(_) => false,
             None => {
-                while shard.len() >= self.per_shard_capacity {
-                    if shard.pop_lru().is_none() {
-                        break;
-                    }
-                    self.counters.evicted_lru.fetch_add(1, Ordering::Relaxed);
+                if self.live.fetch_add(1, Ordering::AcqRel) >= self.capacity {
+                    self.evict_one(&mut shard);
                 }
                 shard.put(id.into(), Session::new(now_ms));
                 true
@@ -223,9 +225,22 @@ impl SessionTable {
         *s
     }
 
+    /// Makes room for one session: the LRU of the inserting shard, else of the
+    /// first other shard that is free to lock (never waiting, so no lock order
+    /// can deadlock; a miss leaves the table one over until the next insert).
+    fn evict_one(&self, own: &mut Shard) {
+        let popped = own.pop_lru().is_some()
+            || self.shards.iter().any(|other| other.try_lock().is_some_and(|mut o| o.pop_lru().is_some()));
+        if popped {
+            self.live.fetch_sub(1, Ordering::AcqRel);
+            self.counters.evicted_lru.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     pub fn remove(&self, id: &str) -> Option<Session> {
         let s = self.shard(id).lock().pop(id);
         if s.is_some() {
+            self.live.fetch_sub(1, Ordering::AcqRel);
             self.counters.removed.fetch_add(1, Ordering::Relaxed);
         }
         s
@@ -245,6 +260,7 @@ impl SessionTable {
                 n += 1;
             }
         }
+        self.live.fetch_sub(n, Ordering::AcqRel);
         self.counters.expired.fetch_add(n as u64, Ordering::Relaxed);
         n
     }
@@ -285,7 +301,7 @@ impl SessionTable {
     }
 
     pub fn len(&self) -> usize {
-        self.shards.iter().map(|s| s.lock().len()).sum()
+        self.live.load(Ordering::Acquire)
     }
 
     pub fn is_empty(&self) -> bool {
@@ -482,9 +498,8 @@ mod tests {
             for id in &ids {
                 t.update(&id.to_string(), 0, |_| {});
             }
-            // Capacity is split evenly over shards, rounding up per shard.
-            let n = t.shards.len();
-            prop_assert!(t.len() <= cap.div_ceil(n) * n);
+            prop_assert!(t.len() <= cap);
+            prop_assert_eq!(t.len(), t.shards.iter().map(|s| s.lock().len()).sum::<usize>());
             let s = t.stats();
             prop_assert_eq!(s.created - s.evicted_lru, t.len() as u64);
         }
