@@ -96,6 +96,9 @@ class DecisionEngine:
         has_session: bool = True,
         d_available: bool = True,
         d_overloaded: bool = False,
+        d_local_capable: bool = True,
+        replica_share: float = 0.0,
+        session_on_replica: bool = False,
     ) -> Route:
         """Route one request (Algorithm 1, Phase 2, plus session and node vetoes)."""
     def set_weights(self, w_ttft: float, w_tpot: float) -> None: ...

@@ -1,14 +1,16 @@
 //! The decision engine: features + table + weights + policy → a route with its reason (Algorithm 1, Phase 2).
 //!
 //! Every outcome is decided here, in [`DecisionEngine::decide`], in one fixed
-//! order: replica-only policy, Turn 1, no session, D unavailable, the policy,
-//! then the overload veto. Table, weights and policy swap atomically while
+//! order: replica-only policy, replica sessions, Turn 1 (hybrid share or pd),
+//! no session, D unavailable, the policy, then the decode-only and overload
+//! vetoes on local. Table, weights and policy swap atomically while
 //! requests are being decided.
 
 use arc_swap::ArcSwap;
 use std::sync::Arc;
 
 use crate::grid::GridPoint;
+use crate::policy::fraction::unit_interval;
 use crate::policy::{ppd::score, Policy, PolicyKind};
 use crate::table::Table;
 use crate::Error;
@@ -87,10 +89,16 @@ pub enum Reason {
     FractionPd,
     /// The replica policy sends everything to replicas.
     ReplicaPolicy,
+    /// The policy chose local but the session's D is decode-only (x ≡ 0 node).
+    DecodeOnly,
+    /// A hybrid deployment put this new conversation on a replica.
+    HybridReplica,
+    /// The conversation lives on a replica, which holds its KV.
+    ReplicaSession,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 10] = [
+    pub const ALL: [Reason; 13] = [
         Reason::Turn1,
         Reason::NoSession,
         Reason::DUnavailable,
@@ -101,6 +109,9 @@ impl Reason {
         Reason::FractionLocal,
         Reason::FractionPd,
         Reason::ReplicaPolicy,
+        Reason::DecodeOnly,
+        Reason::HybridReplica,
+        Reason::ReplicaSession,
     ];
     pub fn as_str(self) -> &'static str {
         match self {
@@ -114,6 +125,9 @@ impl Reason {
             Reason::FractionLocal => "fraction_local",
             Reason::FractionPd => "fraction_pd",
             Reason::ReplicaPolicy => "replica_policy",
+            Reason::DecodeOnly => "d_decode_only",
+            Reason::HybridReplica => "hybrid_replica",
+            Reason::ReplicaSession => "replica_session",
         }
     }
 }
@@ -135,6 +149,12 @@ pub struct DecisionInput {
     pub d_available: bool,
     /// That D is over its load limit (a veto on local).
     pub d_overloaded: bool,
+    /// That D may append-prefill locally (a pD, not a decode-only D).
+    pub d_local_capable: bool,
+    /// Hybrid R + P/D: the share of new conversations that replicas take.
+    pub replica_share: f64,
+    /// The session lives on a replica.
+    pub session_on_replica: bool,
 }
 
 impl DecisionInput {
@@ -150,6 +170,9 @@ impl DecisionInput {
             has_session: true,
             d_available: true,
             d_overloaded: false,
+            d_local_capable: true,
+            replica_share: 0.0,
+            session_on_replica: false,
         }
     }
 
@@ -162,6 +185,12 @@ impl DecisionInput {
         }
         if self.turn == 0 {
             return Err(Error::InvalidInput("turn must be at least 1".into()));
+        }
+        if !(0.0..=1.0).contains(&self.replica_share) {
+            return Err(Error::InvalidInput(format!(
+                "replica_share must be in [0, 1], got {}",
+                self.replica_share
+            )));
         }
         Ok(())
     }
@@ -243,12 +272,21 @@ impl DecisionEngine {
                 scored: None,
             });
         }
-        if input.turn == 1 {
-            return Ok(Route {
-                path: Path::Pd,
-                reason: Reason::Turn1,
+        let unscored = |path, reason| {
+            Ok(Route {
+                path,
+                reason,
                 scored: None,
-            });
+            })
+        };
+        if input.session_on_replica && input.turn > 1 {
+            return unscored(Path::Replica, Reason::ReplicaSession);
+        }
+        if input.turn == 1 {
+            if unit_interval(input.conv_hash) < input.replica_share {
+                return unscored(Path::Replica, Reason::HybridReplica);
+            }
+            return unscored(Path::Pd, Reason::Turn1);
         }
         let w = **self.weights.load();
         let scored = score_in(&self.table.load(), input, w);
@@ -266,6 +304,9 @@ impl DecisionEngine {
             return early(Reason::DUnavailable);
         }
         let (path, reason) = policy.choose(input, &scored, w);
+        if path == Path::Local && !input.d_local_capable {
+            return early(Reason::DecodeOnly);
+        }
         if path == Path::Local && input.d_overloaded {
             return early(Reason::DOverloaded);
         }
@@ -292,7 +333,6 @@ fn score_in(table: &Table, input: &DecisionInput, w: Weights) -> Scored {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::fraction::unit_interval;
     use crate::table::tests::{cell, doc_with, m};
     use proptest::prelude::*;
 
@@ -377,6 +417,60 @@ mod tests {
             .decide(&base)
             .unwrap();
         assert_eq!((r.path, r.reason), (Path::Pd, Reason::Forced));
+    }
+
+    #[test]
+    fn decode_only_nodes_never_serve_local() {
+        let e = engine(PolicyKind::Local, Weights::default());
+        let r = e
+            .decide(&DecisionInput {
+                d_local_capable: false,
+                ..DecisionInput::turn(2, 64, 64, 300, 4.0)
+            })
+            .unwrap();
+        assert_eq!((r.path, r.reason), (Path::Pd, Reason::DecodeOnly));
+        let r = engine(PolicyKind::Pd, Weights::default())
+            .decide(&DecisionInput {
+                d_local_capable: false,
+                ..DecisionInput::turn(2, 64, 64, 300, 4.0)
+            })
+            .unwrap();
+        assert_eq!(r.reason, Reason::Forced);
+    }
+
+    #[test]
+    fn hybrid_share_sends_new_conversations_to_replicas_and_keeps_them_there() {
+        let e = engine(PolicyKind::Ppd, Weights::default());
+        let n = 10_000;
+        let mut on_r = 0;
+        for i in 0..n {
+            let h = crate::identity::hash_id(&format!("c{i}"));
+            let t1 = DecisionInput {
+                conv_hash: h,
+                replica_share: 0.25,
+                ..DecisionInput::turn(1, 64, 64, 0, 1.0)
+            };
+            let r = e.decide(&t1).unwrap();
+            if r.path == Path::Replica {
+                assert_eq!(r.reason, Reason::HybridReplica);
+                on_r += 1;
+                let t2 = DecisionInput {
+                    turn: 2,
+                    session_on_replica: true,
+                    ..t1
+                };
+                assert_eq!(e.decide(&t2).unwrap().reason, Reason::ReplicaSession);
+            } else {
+                assert_eq!(r.reason, Reason::Turn1);
+            }
+        }
+        assert!((on_r as f64 / n as f64 - 0.25).abs() < 0.02, "{on_r}");
+        assert!(e
+            .decide(&DecisionInput {
+                replica_share: 1.5,
+                ..DecisionInput::turn(1, 1, 1, 1, 1.0)
+            })
+            .is_err());
     }
 
     #[test]

@@ -26,6 +26,27 @@ pub struct RequestView<'a> {
     pub max_completion_tokens: Option<u64>,
     #[serde(default)]
     pub stream: Option<bool>,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptionsView>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct StreamOptionsView {
+    #[serde(default)]
+    pub include_usage: Option<bool>,
+}
+
+impl RequestView<'_> {
+    pub fn is_stream(&self) -> bool {
+        self.stream.unwrap_or(false)
+    }
+    /// Whether the client itself asked for the final usage chunk of a stream.
+    pub fn wants_usage(&self) -> bool {
+        self.stream_options
+            .as_ref()
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false)
+    }
 }
 
 #[derive(Debug, Deserialize)]

@@ -355,7 +355,7 @@ impl DecisionEngine {
 
     /// Routes one request. Turn 1 takes pd; Turn 2+ follows the policy unless
     /// the session is unknown, its D unavailable, or (for local) overloaded.
-    #[pyo3(signature = (turn, n_in, n_out, n_ctx, qps, *, conversation_id = None, has_session = true, d_available = true, d_overloaded = false))]
+    #[pyo3(signature = (turn, n_in, n_out, n_ctx, qps, *, conversation_id = None, has_session = true, d_available = true, d_overloaded = false, d_local_capable = true, replica_share = 0.0, session_on_replica = false))]
     #[allow(clippy::too_many_arguments)]
     fn decide(
         &self,
@@ -369,6 +369,9 @@ impl DecisionEngine {
         has_session: bool,
         d_available: bool,
         d_overloaded: bool,
+        d_local_capable: bool,
+        replica_share: f64,
+        session_on_replica: bool,
     ) -> PyResult<Route> {
         let input = DecisionInput {
             turn: count_arg("turn", turn)?,
@@ -380,6 +383,9 @@ impl DecisionEngine {
             has_session,
             d_available,
             d_overloaded,
+            d_local_capable,
+            replica_share,
+            session_on_replica,
         };
         let route = self.inner.decide(&input).map_err(to_py)?;
         let table = self.inner.table();
