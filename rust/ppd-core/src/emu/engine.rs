@@ -96,7 +96,12 @@ pub struct Usage {
 pub enum Event {
     /// Output token `index` (0-based) of a request exists at time `t`.
     Token { id: u64, index: u32, t: f64 },
-    Finished { id: u64, t: f64, finish: Finish, usage: Usage },
+    Finished {
+        id: u64,
+        t: f64,
+        finish: Finish,
+        usage: Usage,
+    },
     /// A RemotePrefill request's KV has arrived (the caller tells P to free it).
     TransferDone { id: u64, t: f64 },
     /// P's held KV of a request expired unpulled.
@@ -107,7 +112,12 @@ pub enum Event {
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum SubmitError {
     #[error("This model's maximum context length is {max} tokens. However, you requested {total} tokens ({prompt} in the messages, {out} in the completion). Please reduce the length of the messages or completion.")]
-    TooLong { max: u32, total: u64, prompt: u32, out: u32 },
+    TooLong {
+        max: u32,
+        total: u64,
+        prompt: u32,
+        out: u32,
+    },
     #[error("the request needs {need} KV blocks but the pool has only {have}")]
     TooLargeForPool { need: u64, have: u32 },
     #[error("prompt must have at least one token")]
@@ -299,7 +309,12 @@ impl Engine {
     }
 
     /// Admits a request at `now` (events up to `now` are processed first).
-    pub fn submit(&mut self, now: f64, req: Submit, ev: &mut Vec<Event>) -> Result<(), SubmitError> {
+    pub fn submit(
+        &mut self,
+        now: f64,
+        req: Submit,
+        ev: &mut Vec<Event>,
+    ) -> Result<(), SubmitError> {
         if req.prompt_len == 0 {
             return Err(SubmitError::EmptyPrompt);
         }
@@ -317,12 +332,18 @@ impl Engine {
         }
         let need = total.div_ceil(self.bs as u64);
         if need > self.pool.num_blocks() as u64 {
-            return Err(SubmitError::TooLargeForPool { need, have: self.pool.num_blocks() });
+            return Err(SubmitError::TooLargeForPool {
+                need,
+                have: self.pool.num_blocks(),
+            });
         }
         // The last output token's KV is never computed, so it need not exist.
         let need_tokens = total - 1;
         if (req.content.len_available() as u64) < need_tokens {
-            return Err(SubmitError::ShortContent { have: req.content.len_available(), need: need_tokens });
+            return Err(SubmitError::ShortContent {
+                have: req.content.len_available(),
+                need: need_tokens,
+            });
         }
         if self.by_id.contains_key(&req.id) || self.holds.contains_key(&req.id) {
             return Err(SubmitError::DuplicateId(req.id));
@@ -341,7 +362,10 @@ impl Engine {
             hashes: Vec::new(),
             committed: 0,
             first_scheduled: false,
-            usage: Usage { prompt_tokens: req.prompt_len, ..Usage::default() },
+            usage: Usage {
+                prompt_tokens: req.prompt_len,
+                ..Usage::default()
+            },
         };
         let slot = match self.free_slots.pop() {
             Some(s) => {
@@ -380,7 +404,12 @@ impl Engine {
             self.link_next = self.link.next_completion();
         }
         self.pool.release(&seq.blocks);
-        ev.push(Event::Finished { id, t: self.now, finish: Finish::Aborted, usage: seq.usage });
+        ev.push(Event::Finished {
+            id,
+            t: self.now,
+            finish: Finish::Aborted,
+            usage: seq.usage,
+        });
         true
     }
 
@@ -457,9 +486,13 @@ impl Engine {
         self.link.advance(t, &mut done);
         self.link_next = self.link.next_completion();
         for &id in &done {
-            let Some(&slot) = self.by_id.get(&id) else { continue };
+            let Some(&slot) = self.by_id.get(&id) else {
+                continue;
+            };
             let bs = self.bs as usize;
-            let Some(seq) = self.slots[slot].as_mut() else { continue };
+            let Some(seq) = self.slots[slot].as_mut() else {
+                continue;
+            };
             seq.state = State::Waiting;
             seq.computed = seq.prompt_len - 1;
             // The pulled blocks join D's prefix cache, as vLLM's NIXL consumer does.
@@ -520,7 +553,9 @@ impl Engine {
             let (n, need) = {
                 let seq = self.seq(slot);
                 let n = (seq.num_tokens() - seq.computed).min(budget);
-                let need = self.blocks_for(seq.computed + n).saturating_sub(seq.blocks.len());
+                let need = self
+                    .blocks_for(seq.computed + n)
+                    .saturating_sub(seq.blocks.len());
                 (n, need)
             };
             let mut self_preempted = false;
@@ -554,7 +589,9 @@ impl Engine {
         }
         // vLLM schedules no new request in a step that had to preempt.
         while !preempted && budget > 0 && self.running.len() < self.max_seqs {
-            let Some(&slot) = self.waiting.front() else { break };
+            let Some(&slot) = self.waiting.front() else {
+                break;
+            };
             let bsz = bs as usize;
             let fresh = self.seq(slot).blocks.is_empty() && self.seq(slot).computed == 0;
             if fresh {
@@ -579,7 +616,8 @@ impl Engine {
                     }
                     alloc.clear();
                     let seq = self.slots[slot].as_mut().expect("waiting slot");
-                    self.pool.take_cached(&seq.hashes[..hit_blocks], &mut seq.blocks);
+                    self.pool
+                        .take_cached(&seq.hashes[..hit_blocks], &mut seq.blocks);
                     self.pool.allocate(need as u32, &mut alloc);
                     seq.blocks.extend_from_slice(&alloc);
                     seq.committed = hit_blocks as u32;
@@ -609,7 +647,8 @@ impl Engine {
                 }
                 alloc.clear();
                 let seq = self.slots[slot].as_mut().expect("waiting slot");
-                self.pool.take_cached(&seq.hashes[..hit_blocks], &mut seq.blocks);
+                self.pool
+                    .take_cached(&seq.hashes[..hit_blocks], &mut seq.blocks);
                 self.pool.allocate(need as u32, &mut alloc);
                 seq.blocks.extend_from_slice(&alloc);
                 seq.committed = hit_blocks as u32;
@@ -629,7 +668,11 @@ impl Engine {
                 let (n, need) = {
                     let seq = self.seq(slot);
                     let n = (seq.num_tokens() - seq.computed).min(budget);
-                    (n, self.blocks_for(seq.computed + n).saturating_sub(seq.blocks.len()))
+                    (
+                        n,
+                        self.blocks_for(seq.computed + n)
+                            .saturating_sub(seq.blocks.len()),
+                    )
                 };
                 if need as u32 > self.pool.num_free() {
                     break;
@@ -664,7 +707,9 @@ impl Engine {
         let bs = self.bs;
         let mut finished: Vec<usize> = Vec::new();
         for &(slot, n) in &step.items {
-            let Some(seq) = self.slots[slot].as_mut() else { continue };
+            let Some(seq) = self.slots[slot].as_mut() else {
+                continue;
+            };
             if seq.state != State::Running {
                 continue;
             }
@@ -680,7 +725,11 @@ impl Engine {
                 seq.out += 1;
                 self.stats.generation_tokens += 1;
                 if index == 0 || self.emit_tokens {
-                    ev.push(Event::Token { id: seq.id, index, t });
+                    ev.push(Event::Token {
+                        id: seq.id,
+                        index,
+                        t,
+                    });
                 }
                 if seq.out >= seq.max_out {
                     finished.push(slot);
@@ -700,12 +749,21 @@ impl Engine {
                 self.lease_queue.push_back((expires, seq.id));
                 self.holds.insert(
                     seq.id,
-                    Hold { blocks: std::mem::take(&mut seq.blocks), tokens: seq.prompt_len, expires },
+                    Hold {
+                        blocks: std::mem::take(&mut seq.blocks),
+                        tokens: seq.prompt_len,
+                        expires,
+                    },
                 );
             } else {
                 self.pool.release(&seq.blocks);
             }
-            ev.push(Event::Finished { id: seq.id, t, finish: Finish::Length, usage: seq.usage });
+            ev.push(Event::Finished {
+                id: seq.id,
+                t,
+                finish: Finish::Length,
+                usage: seq.usage,
+            });
         }
     }
 }
@@ -724,20 +782,31 @@ mod tests {
             e.advance(t, ev);
             guard += 1;
             assert!(guard < 1_000_000, "engine did not settle");
-            if e.in_flight() == 0 && e.next_event_time().is_none_or(|_| e.holds.is_empty() && e.link.in_flight() == 0) {
+            if e.in_flight() == 0
+                && e.next_event_time()
+                    .is_none_or(|_| e.holds.is_empty() && e.link.in_flight() == 0)
+            {
                 break;
             }
         }
     }
 
     fn req(id: u64, key: u64, prompt: u32, out: u32) -> Submit {
-        Submit { id, content: Content::Synthetic(key), prompt_len: prompt, max_tokens: out, kind: Kind::Local }
+        Submit {
+            id,
+            content: Content::Synthetic(key),
+            prompt_len: prompt,
+            max_tokens: out,
+            kind: Kind::Local,
+        }
     }
 
     fn finished(ev: &[Event], id: u64) -> (f64, Usage) {
         ev.iter()
             .find_map(|e| match e {
-                Event::Finished { id: i, t, usage, .. } if *i == id => Some((*t, *usage)),
+                Event::Finished {
+                    id: i, t, usage, ..
+                } if *i == id => Some((*t, *usage)),
                 _ => None,
             })
             .expect("request finished")
@@ -759,10 +828,16 @@ mod tests {
         let mut ev = vec![];
         e.submit(0.0, req(1, 9, 100, 10), &mut ev).unwrap();
         run_until_idle(&mut e, &mut ev);
-        let toks = ev.iter().filter(|e| matches!(e, Event::Token { id: 1, .. })).count();
+        let toks = ev
+            .iter()
+            .filter(|e| matches!(e, Event::Token { id: 1, .. }))
+            .count();
         assert_eq!(toks, 10);
         let (_, u) = finished(&ev, 1);
-        assert_eq!((u.prompt_tokens, u.completion_tokens, u.cached_tokens), (100, 10, 0));
+        assert_eq!(
+            (u.prompt_tokens, u.completion_tokens, u.cached_tokens),
+            (100, 10, 0)
+        );
         assert_eq!(e.snapshot().kv_usage, 0.0, "all blocks back in the pool");
     }
 
@@ -781,7 +856,8 @@ mod tests {
         // Full blocks of the first 159 tokens whose KV exists (the last output token's never does).
         assert_eq!(u.cached_tokens, 144);
         // A different conversation shares nothing.
-        e.submit(e.now() + 1.0, req(3, 43, 200, 1), &mut ev).unwrap();
+        e.submit(e.now() + 1.0, req(3, 43, 200, 1), &mut ev)
+            .unwrap();
         run_until_idle(&mut e, &mut ev);
         assert_eq!(finished(&ev, 3).1.cached_tokens, 0);
     }
@@ -812,7 +888,11 @@ mod tests {
         let mut ev = vec![];
         e.submit(0.0, req(1, 1, 2000, 1), &mut ev).unwrap();
         run_until_idle(&mut e, &mut ev);
-        assert_eq!(e.snapshot().stats.steps, 4, "2000 tokens in 512-token chunks");
+        assert_eq!(
+            e.snapshot().stats.steps,
+            4,
+            "2000 tokens in 512-token chunks"
+        );
     }
 
     #[test]
@@ -844,12 +924,17 @@ mod tests {
         }
         run_until_idle(&mut e, &mut ev);
         let s = e.snapshot();
-        assert!(s.stats.preemptions > 0, "the pool is too small for all four");
+        assert!(
+            s.stats.preemptions > 0,
+            "the pool is too small for all four"
+        );
         assert_eq!(s.stats.finished, 4);
         for i in 0..4 {
             assert_eq!(finished(&ev, i).1.completion_tokens, 200);
         }
-        assert!(ev.iter().any(|x| matches!(x, Event::Finished { usage, .. } if usage.preemptions > 0)));
+        assert!(ev
+            .iter()
+            .any(|x| matches!(x, Event::Finished { usage, .. } if usage.preemptions > 0)));
     }
 
     #[test]
@@ -871,10 +956,15 @@ mod tests {
         assert!(e.snapshot().kv_usage > 0.0);
         let h = e.take_hold(e.now(), 1, &mut ev).expect("held");
         assert_eq!((h.blocks.len(), h.tokens), (20, 320));
-        assert!(e.take_hold(e.now(), 1, &mut ev).is_none(), "a hold is pulled once");
+        assert!(
+            e.take_hold(e.now(), 1, &mut ev).is_none(),
+            "a hold is pulled once"
+        );
         // The other expires after the lease.
         e.advance(e.now() + p.kv_lease_s * 1000.0 + 1.0, &mut ev);
-        assert!(ev.iter().any(|x| matches!(x, Event::LeaseExpired { id: 2, .. })));
+        assert!(ev
+            .iter()
+            .any(|x| matches!(x, Event::LeaseExpired { id: 2, .. })));
         assert_eq!(e.snapshot().kv_usage, 0.0);
     }
 
@@ -888,7 +978,13 @@ mod tests {
         d.submit(0.0, r, &mut ev).unwrap();
         assert_eq!(d.snapshot().waiting_remote, 1);
         run_until_idle(&mut d, &mut ev);
-        let done = ev.iter().find_map(|x| match x { Event::TransferDone { id: 1, t } => Some(*t), _ => None }).unwrap();
+        let done = ev
+            .iter()
+            .find_map(|x| match x {
+                Event::TransferDone { id: 1, t } => Some(*t),
+                _ => None,
+            })
+            .unwrap();
         // 1600 tokens × 128 KiB at 10 GB/s + 2 ms latency.
         let expect = 2.0 + 1600.0 * 131_072.0 / 1e7;
         assert!((done - expect).abs() < 1e-6, "{done} vs {expect}");
@@ -896,7 +992,8 @@ mod tests {
         assert_eq!((u.cached_tokens, u.external_tokens), (1600, 1600));
         assert!(first_token(&ev, 1) > done);
         // The pulled KV is now D's prefix cache: a local next turn hits it.
-        d.submit(d.now() + 1.0, req(2, 77, 1700, 1), &mut ev).unwrap();
+        d.submit(d.now() + 1.0, req(2, 77, 1700, 1), &mut ev)
+            .unwrap();
         run_until_idle(&mut d, &mut ev);
         assert!(finished(&ev, 2).1.cached_tokens >= 1600);
     }
@@ -922,7 +1019,10 @@ mod tests {
         }
         run_until_idle(&mut d, &mut ev);
         let last = (0..4).map(|i| first_token(&ev, i)).fold(0.0, f64::max);
-        assert!(last > 3.0 * one, "4 shared transfers {last} ms vs one alone {one} ms");
+        assert!(
+            last > 3.0 * one,
+            "4 shared transfers {last} ms vs one alone {one} ms"
+        );
     }
 
     #[test]
@@ -930,13 +1030,34 @@ mod tests {
         let p = Profile::test_profile();
         let mut e = engine(&p);
         let mut ev = vec![];
-        assert_eq!(e.submit(0.0, req(1, 1, 0, 5), &mut ev), Err(SubmitError::EmptyPrompt));
-        assert_eq!(e.submit(0.0, req(1, 1, 5, 0), &mut ev), Err(SubmitError::NoOutput));
-        assert!(matches!(e.submit(0.0, req(1, 1, 16_000, 1000), &mut ev), Err(SubmitError::TooLong { .. })));
+        assert_eq!(
+            e.submit(0.0, req(1, 1, 0, 5), &mut ev),
+            Err(SubmitError::EmptyPrompt)
+        );
+        assert_eq!(
+            e.submit(0.0, req(1, 1, 5, 0), &mut ev),
+            Err(SubmitError::NoOutput)
+        );
+        assert!(matches!(
+            e.submit(0.0, req(1, 1, 16_000, 1000), &mut ev),
+            Err(SubmitError::TooLong { .. })
+        ));
         e.submit(0.0, req(1, 1, 5, 5), &mut ev).unwrap();
-        assert_eq!(e.submit(0.0, req(1, 1, 5, 5), &mut ev), Err(SubmitError::DuplicateId(1)));
-        let short = Submit { id: 9, content: Content::Explicit(Arc::from(vec![1u64, 2, 3])), prompt_len: 3, max_tokens: 5, kind: Kind::Local };
-        assert!(matches!(e.submit(0.0, short, &mut ev), Err(SubmitError::ShortContent { .. })));
+        assert_eq!(
+            e.submit(0.0, req(1, 1, 5, 5), &mut ev),
+            Err(SubmitError::DuplicateId(1))
+        );
+        let short = Submit {
+            id: 9,
+            content: Content::Explicit(Arc::from(vec![1u64, 2, 3])),
+            prompt_len: 3,
+            max_tokens: 5,
+            kind: Kind::Local,
+        };
+        assert!(matches!(
+            e.submit(0.0, short, &mut ev),
+            Err(SubmitError::ShortContent { .. })
+        ));
     }
 
     #[test]
@@ -949,7 +1070,14 @@ mod tests {
         assert!(e.abort(50.0, 1, &mut ev));
         run_until_idle(&mut e, &mut ev);
         assert_eq!(e.snapshot().kv_usage, 0.0);
-        assert!(ev.iter().any(|x| matches!(x, Event::Finished { id: 1, finish: Finish::Aborted, .. })));
+        assert!(ev.iter().any(|x| matches!(
+            x,
+            Event::Finished {
+                id: 1,
+                finish: Finish::Aborted,
+                ..
+            }
+        )));
     }
 
     #[test]
@@ -959,7 +1087,12 @@ mod tests {
             let mut e = engine(&p);
             let mut ev = vec![];
             for i in 0..20u64 {
-                e.submit(i as f64 * 3.0, req(i, i % 5, 50 + (i as u32 * 37) % 400, 20), &mut ev).unwrap();
+                e.submit(
+                    i as f64 * 3.0,
+                    req(i, i % 5, 50 + (i as u32 * 37) % 400, 20),
+                    &mut ev,
+                )
+                .unwrap();
             }
             run_until_idle(&mut e, &mut ev);
             ev
@@ -975,7 +1108,13 @@ mod tests {
         let a: Vec<u64> = (0..100).collect();
         let mut b = a.clone();
         b[40] = 9999; // differs inside block 2
-        let s = |id, v: &Vec<u64>| Submit { id, content: Content::Explicit(Arc::from(v.clone())), prompt_len: 90, max_tokens: 5, kind: Kind::Local };
+        let s = |id, v: &Vec<u64>| Submit {
+            id,
+            content: Content::Explicit(Arc::from(v.clone())),
+            prompt_len: 90,
+            max_tokens: 5,
+            kind: Kind::Local,
+        };
         e.submit(0.0, s(1, &a), &mut ev).unwrap();
         run_until_idle(&mut e, &mut ev);
         e.submit(e.now() + 1.0, s(2, &b), &mut ev).unwrap();

@@ -145,7 +145,10 @@ mod tests {
 
     fn link() -> Link {
         // 1 GB/s = 1e6 bytes per ms, 1 ms latency.
-        Link::new(LinkModel { gbps: 1.0, latency_ms: 1.0 })
+        Link::new(LinkModel {
+            gbps: 1.0,
+            latency_ms: 1.0,
+        })
     }
 
     #[test]
@@ -169,7 +172,10 @@ mod tests {
         // Both share: 20 MB at 1 MB/ms after 1 ms latency = 21 ms.
         let mut done = vec![];
         l.advance(20.5, &mut done);
-        assert!(done.is_empty(), "shared transfers must not finish at the solo time");
+        assert!(
+            done.is_empty(),
+            "shared transfers must not finish at the solo time"
+        );
         l.advance(21.0 + 1e-9, &mut done);
         done.sort();
         assert_eq!(done, vec![1, 2]);

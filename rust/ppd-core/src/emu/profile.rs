@@ -130,13 +130,18 @@ pub struct Profile {
 impl Profile {
     /// Checks that every number is usable; errors name the field.
     pub fn validate(&self) -> Result<(), Error> {
-        let bad = |f: &str, v: f64| Error::Config(format!("profile {}: {f} = {v} is out of range", self.name));
+        let bad = |f: &str, v: f64| {
+            Error::Config(format!("profile {}: {f} = {v} is out of range", self.name))
+        };
         let nonneg = [
             ("step.overhead_ms", self.step.overhead_ms),
             ("step.per_token_ms", self.step.per_token_ms),
             ("step.per_seq_ms", self.step.per_seq_ms),
             ("step.attn_ms_per_mpair", self.step.attn_ms_per_mpair),
-            ("step.decode_ctx_ms_per_ktoken", self.step.decode_ctx_ms_per_ktoken),
+            (
+                "step.decode_ctx_ms_per_ktoken",
+                self.step.decode_ctx_ms_per_ktoken,
+            ),
             ("link.latency_ms", self.link.latency_ms),
             ("api.request_overhead_ms", self.api.request_overhead_ms),
             ("api.router_hop_ms", self.api.router_hop_ms),
@@ -219,7 +224,10 @@ mod tests {
 
     #[test]
     fn an_empty_batch_takes_no_time() {
-        assert_eq!(Profile::test_profile().step.step_ms(&BatchShape::default()), 0.0);
+        assert_eq!(
+            Profile::test_profile().step.step_ms(&BatchShape::default()),
+            0.0
+        );
     }
 
     #[test]
@@ -230,13 +238,20 @@ mod tests {
         assert!(e.contains("link.gbps"), "{e}");
         let mut p = Profile::test_profile();
         p.step.per_token_ms = f64::NAN;
-        assert!(p.validate().unwrap_err().to_string().contains("per_token_ms"));
+        assert!(p
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("per_token_ms"));
         assert!(Profile::test_profile().validate().is_ok());
     }
 
     #[test]
     fn link_alone_time_is_latency_plus_bytes_over_bandwidth() {
-        let l = LinkModel { gbps: 25.0, latency_ms: 0.0 };
+        let l = LinkModel {
+            gbps: 25.0,
+            latency_ms: 0.0,
+        };
         // Paper B.6: 5,115 tokens × 128 KiB over 25 GB/s ≈ 27 ms.
         let t = l.alone_ms(5115 * 131_072);
         assert!((t - 26.8).abs() < 0.5, "{t}");

@@ -58,16 +58,18 @@ pub fn render_prompt(text: &str) -> Vec<u64> {
 }
 
 // Template constants must agree with the router's estimator.
-const _: () = assert!(PROMPT_PREFIX_TOKENS == 1 && MESSAGE_OVERHEAD_TOKENS == 4 && GENERATION_PROMPT_TOKENS == 3);
+const _: () = assert!(
+    PROMPT_PREFIX_TOKENS == 1 && MESSAGE_OVERHEAD_TOKENS == 4 && GENERATION_PROMPT_TOKENS == 3
+);
 
 /// Words of the generated text: all alphanumeric, so each is exactly one token.
 const VOCAB: [&str; 64] = [
     "the", "model", "answers", "with", "words", "that", "each", "count", "as", "one", "token",
-    "and", "a", "cache", "prefix", "keeps", "every", "turn", "cheap", "so", "decode", "runs",
-    "on", "its", "node", "while", "prefill", "waits", "for", "batch", "time", "step", "moves",
-    "blocks", "between", "nodes", "over", "link", "when", "load", "rises", "router", "picks",
-    "local", "path", "or", "sends", "it", "back", "to", "first", "then", "next", "request",
-    "gets", "served", "fast", "under", "steady", "traffic", "in", "this", "small", "test",
+    "and", "a", "cache", "prefix", "keeps", "every", "turn", "cheap", "so", "decode", "runs", "on",
+    "its", "node", "while", "prefill", "waits", "for", "batch", "time", "step", "moves", "blocks",
+    "between", "nodes", "over", "link", "when", "load", "rises", "router", "picks", "local",
+    "path", "or", "sends", "it", "back", "to", "first", "then", "next", "request", "gets",
+    "served", "fast", "under", "steady", "traffic", "in", "this", "small", "test",
 ];
 
 /// The deterministic generator: the answer depends only on the seed and the prompt.
@@ -120,10 +122,16 @@ mod tests {
 
     #[test]
     fn chat_prompt_length_matches_the_router_estimate_formula() {
-        let msgs = [("system", "Be brief."), ("user", "Hello, world! How are you?")];
+        let msgs = [
+            ("system", "Be brief."),
+            ("user", "Hello, world! How are you?"),
+        ];
         let ids = render_chat(msgs);
         let expect = PROMPT_PREFIX_TOKENS
-            + msgs.iter().map(|(_, c)| MESSAGE_OVERHEAD_TOKENS + word_rule_count(c)).sum::<u32>()
+            + msgs
+                .iter()
+                .map(|(_, c)| MESSAGE_OVERHEAD_TOKENS + word_rule_count(c))
+                .sum::<u32>()
             + GENERATION_PROMPT_TOKENS;
         assert_eq!(ids.len() as u32, expect);
     }
@@ -142,7 +150,11 @@ mod tests {
             ("user", "And more?"),
         ]);
         assert_eq!(&t2[..seq.len()], &seq[..]);
-        assert_eq!(word_rule_count(&answer), 30, "each generated word is one token");
+        assert_eq!(
+            word_rule_count(&answer),
+            30,
+            "each generated word is one token"
+        );
     }
 
     #[test]

@@ -1,0 +1,720 @@
+//! The HTTP surface of a node, shaped like vLLM's OpenAI server: chat and text
+//! completions (JSON and SSE), models, health, metrics, the NIXL side channel
+//! (`/internal/kv/pull`) and the fault-injection admin endpoint.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use ppd_core::emu::engine::mix64;
+use ppd_core::emu::text::{render_chat, render_prompt, Generator};
+use ppd_core::emu::{Content, Finish, Kind, Profile, Submit, Usage};
+use ppd_core::request::{parse_request, ContentText, PromptText};
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, Notify};
+
+use crate::driver::{EngineHandle, Out};
+use crate::metrics::{self, Metrics};
+use crate::{Faults, NodeConfig, Role};
+
+/// Largest request body accepted (vLLM has none; this keeps a bad client from exhausting memory).
+const MAX_BODY: usize = 64 * 1024 * 1024;
+
+pub struct AppState {
+    role: Role,
+    model: String,
+    engine_id: String,
+    advertise_host: String,
+    port: u16,
+    max_model_len: u32,
+    request_overhead: Duration,
+    gen: Generator,
+    engine: EngineHandle,
+    metrics: Mutex<Metrics>,
+    faults: Mutex<Faults>,
+    crash: Arc<Notify>,
+    stopping: Notify,
+    shutting_down: AtomicBool,
+    crashed: AtomicBool,
+    next_id: AtomicU64,
+    node_tag: u32,
+    rng: AtomicU64,
+    client: reqwest::Client,
+    created: u64,
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+impl AppState {
+    pub fn new(cfg: &NodeConfig, profile: Profile, port: u16) -> Arc<AppState> {
+        let engine = EngineHandle::start(&profile);
+        let tag = (mix64(cfg.seed ^ ((port as u64) << 32) ^ unix_now()) >> 32) as u32;
+        Arc::new(AppState {
+            role: cfg.role,
+            model: cfg.served_model_name.clone(),
+            engine_id: cfg.engine_id.clone().unwrap_or_else(|| format!("emu-{}-{port}", cfg.role.as_str())),
+            advertise_host: cfg.advertise_host.clone(),
+            port,
+            max_model_len: profile.max_model_len,
+            request_overhead: Duration::from_secs_f64(profile.api.request_overhead_ms / 1000.0),
+            gen: Generator::new(cfg.seed),
+            engine,
+            metrics: Mutex::new(Metrics::default()),
+            faults: Mutex::new(cfg.faults),
+            crash: Arc::new(Notify::new()),
+            stopping: Notify::new(),
+            shutting_down: AtomicBool::new(false),
+            crashed: AtomicBool::new(false),
+            next_id: AtomicU64::new(1),
+            node_tag: tag,
+            rng: AtomicU64::new(mix64(cfg.seed ^ 0xFA17)),
+            client: reqwest::Client::builder()
+                .timeout(Duration::from_secs(30))
+                .build()
+                .unwrap_or_default(),
+            created: unix_now(),
+        })
+    }
+
+    pub fn crash_signal(&self) -> Arc<Notify> {
+        Arc::clone(&self.crash)
+    }
+
+    /// Releases handlers that hang by fault injection, so shutdown can finish.
+    pub fn release_hangs(&self) {
+        self.shutting_down.store(true, Ordering::SeqCst);
+        self.stopping.notify_waiters();
+    }
+
+    /// The crash fault: health fails, open streams are cut.
+    fn crash_now(&self) {
+        self.crashed.store(true, Ordering::SeqCst);
+        self.release_hangs();
+        self.crash.notify_one();
+    }
+
+    async fn wait_shutdown(&self) {
+        let n = self.stopping.notified();
+        if self.shutting_down.load(Ordering::SeqCst) {
+            return;
+        }
+        n.await;
+    }
+
+    fn faults(&self) -> Faults {
+        self.faults.lock().map(|f| *f).unwrap_or_default()
+    }
+
+    fn with_metrics(&self, f: impl FnOnce(&mut Metrics)) {
+        if let Ok(mut m) = self.metrics.lock() {
+            f(&mut m);
+        }
+    }
+
+    fn uniform(&self) -> f64 {
+        let x = mix64(self.rng.fetch_add(1, Ordering::Relaxed));
+        (x >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    fn request_name(&self, prefix: &str, id: u64) -> String {
+        format!("{prefix}-{:08x}{:016x}", self.node_tag, id)
+    }
+
+    /// The engine id inside a request name made by [`request_name`] of this node.
+    fn parse_request_name(&self, name: &str) -> Option<u64> {
+        let hex = name.rsplit('-').next()?;
+        if hex.len() != 24 {
+            return None;
+        }
+        let tag = u32::from_str_radix(&hex[..8], 16).ok()?;
+        (tag == self.node_tag).then(|| u64::from_str_radix(&hex[8..], 16).ok()).flatten()
+    }
+}
+
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
+        .route("/admin/faults", get(get_faults).post(set_faults))
+        .route("/internal/kv/pull", post(kv_pull))
+        .fallback(not_found)
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
+        .with_state(state)
+}
+
+/// vLLM's error body: `{"error": {"message", "type", "param", "code"}}`.
+pub fn error(status: StatusCode, message: impl Into<String>, param: Option<&str>) -> Response {
+    let kind = match status {
+        StatusCode::BAD_REQUEST => "BadRequestError",
+        StatusCode::NOT_FOUND => "NotFoundError",
+        StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailableError",
+        _ => "InternalServerError",
+    };
+    let body = json!({"error": {"message": message.into(), "type": kind, "param": param, "code": status.as_u16()}});
+    (status, axum::Json(body)).into_response()
+}
+
+fn bad(message: impl Into<String>) -> Response {
+    error(StatusCode::BAD_REQUEST, message, None)
+}
+
+async fn not_found() -> Response {
+    error(StatusCode::NOT_FOUND, "Not Found", None)
+}
+
+async fn health(State(s): State<Arc<AppState>>) -> Response {
+    if s.crashed.load(Ordering::SeqCst) {
+        return StatusCode::SERVICE_UNAVAILABLE.into_response();
+    }
+    StatusCode::OK.into_response()
+}
+
+async fn models(State(s): State<Arc<AppState>>) -> Response {
+    axum::Json(json!({
+        "object": "list",
+        "data": [{
+            "id": s.model, "object": "model", "created": s.created, "owned_by": "vllm",
+            "root": s.model, "parent": null, "max_model_len": s.max_model_len,
+            "permission": [{
+                "id": format!("modelperm-{:08x}", s.node_tag), "object": "model_permission",
+                "created": s.created, "allow_create_engine": false, "allow_sampling": true,
+                "allow_logprobs": true, "allow_search_indices": false, "allow_view": true,
+                "allow_fine_tuning": false, "organization": "*", "group": null, "is_blocking": false
+            }]
+        }]
+    }))
+    .into_response()
+}
+
+async fn metrics_text(State(s): State<Arc<AppState>>) -> Response {
+    let snap = s.engine.snapshot();
+    let lag = s.engine.lag();
+    let text = match s.metrics.lock() {
+        Ok(m) => metrics::render(&s.model, s.role.as_str(), &m, &snap, &lag),
+        Err(_) => return error(StatusCode::INTERNAL_SERVER_ERROR, "metrics lock poisoned", None),
+    };
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
+}
+
+async fn get_faults(State(s): State<Arc<AppState>>) -> Response {
+    axum::Json(s.faults()).into_response()
+}
+
+async fn set_faults(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+    let f: Faults = match serde_json::from_slice(&body) {
+        Ok(f) => f,
+        Err(e) => return bad(format!("faults: {e}")),
+    };
+    if let Err(e) = f.validate() {
+        return bad(e.to_string());
+    }
+    if let Ok(mut cur) = s.faults.lock() {
+        *cur = f;
+    }
+    if f.crash {
+        s.crash_now();
+    }
+    axum::Json(f).into_response()
+}
+
+/// The NIXL side channel, reduced to HTTP: a D takes P's held KV of a request.
+/// The transfer time itself is modelled on the D's link.
+async fn kv_pull(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+    let v: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => return bad(format!("invalid JSON body: {e}")),
+    };
+    let Some(name) = v.get("remote_request_id").and_then(Value::as_str) else {
+        return bad("remote_request_id (string) is required");
+    };
+    let Some(id) = s.parse_request_name(name) else {
+        return error(StatusCode::NOT_FOUND, format!("no KV held for request {name:?} on this engine"), Some("remote_request_id"));
+    };
+    match s.engine.take_hold(id).await {
+        Some(h) => axum::Json(json!({"remote_request_id": name, "num_tokens": h.tokens, "num_blocks": h.blocks.len(), "engine_id": s.engine_id})).into_response(),
+        None => error(StatusCode::NOT_FOUND, format!("no KV held for request {name:?} (never prefilled here, already pulled, or its lease expired)"), Some("remote_request_id")),
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Endpoint {
+    Chat,
+    Completion,
+}
+
+async fn chat(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+    generate(s, Endpoint::Chat, body).await
+}
+
+async fn completions(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+    generate(s, Endpoint::Completion, body).await
+}
+
+/// A parsed generation request, ready for the engine.
+struct Parsed {
+    prompt: Vec<u64>,
+    max_tokens: Option<u32>,
+    stream: bool,
+    include_usage: bool,
+    kv: Value,
+}
+
+fn parse_u32(v: &Value, field: &str) -> Result<Option<u32>, Response> {
+    match v.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(x) => match x.as_u64() {
+            Some(n) if n >= 1 && n <= u32::MAX as u64 => Ok(Some(n as u32)),
+            _ => Err(bad(format!("{field} must be an integer ≥ 1, got {x}"))),
+        },
+    }
+}
+
+fn parse_body(s: &AppState, ep: Endpoint, text: &str) -> Result<Parsed, Response> {
+    let view = parse_request(text).map_err(|e| bad(e.to_string()))?;
+    let v: Value = serde_json::from_str(text).map_err(|e| bad(format!("invalid JSON body: {e}")))?;
+    if !v.is_object() {
+        return Err(bad("request body must be a JSON object"));
+    }
+    if let Some(m) = view.model.as_deref() {
+        if m != s.model {
+            return Err(error(StatusCode::NOT_FOUND, format!("The model `{m}` does not exist."), Some("model")));
+        }
+    }
+    match v.get("n") {
+        None | Some(Value::Null) => {}
+        Some(n) if n.as_u64() == Some(1) => {}
+        Some(n) => return Err(bad(format!("n must be 1 on the emulator, got {n}"))),
+    }
+    let stream = match v.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(x) => return Err(bad(format!("stream must be a boolean, got {x}"))),
+    };
+    let include_usage = match v.get("stream_options") {
+        None | Some(Value::Null) => false,
+        Some(o) if o.is_object() => {
+            if !stream {
+                return Err(bad("Stream options can only be defined when `stream=True`."));
+            }
+            o.get("include_usage").and_then(Value::as_bool).unwrap_or(false)
+        }
+        Some(x) => return Err(bad(format!("stream_options must be an object, got {x}"))),
+    };
+    let max_tokens = match ep {
+        Endpoint::Chat => match parse_u32(&v, "max_completion_tokens")? {
+            Some(n) => Some(n),
+            None => parse_u32(&v, "max_tokens")?,
+        },
+        Endpoint::Completion => parse_u32(&v, "max_tokens")?,
+    };
+    let kv = match v.get("kv_transfer_params") {
+        None | Some(Value::Null) => Value::Null,
+        Some(o) if o.is_object() => o.clone(),
+        Some(x) => return Err(bad(format!("kv_transfer_params must be an object, got {x}"))),
+    };
+    let prompt = match ep {
+        Endpoint::Chat => {
+            let Some(msgs) = view.messages.as_ref() else {
+                return Err(bad("messages is required for /v1/chat/completions"));
+            };
+            if msgs.is_empty() {
+                return Err(bad("messages must not be empty"));
+            }
+            let mut parts = Vec::with_capacity(msgs.len());
+            for m in msgs {
+                if m.role.trim().is_empty() {
+                    return Err(bad("every message needs a non-empty role"));
+                }
+                let c = ContentText::parse(m.content).map_err(|e| bad(e.to_string()))?;
+                parts.push((m.role.to_string(), c.joined().into_owned()));
+            }
+            render_chat(parts.iter().map(|(r, c)| (r.as_str(), c.as_str())))
+        }
+        Endpoint::Completion => {
+            let Some(raw) = view.prompt else {
+                return Err(bad("prompt is required for /v1/completions"));
+            };
+            match PromptText::parse(raw).map_err(|e| bad(e.to_string()))? {
+                PromptText::Text(t) => render_prompt(&t),
+                // Token-id prompts keep their ids (tagged apart from word hashes).
+                PromptText::TokenIds(ids) => ids.into_iter().map(|i| (1u64 << 62) | i as u64).collect(),
+            }
+        }
+    };
+    if prompt.is_empty() {
+        return Err(bad("prompt must not be empty"));
+    }
+    Ok(Parsed { prompt, max_tokens, stream, include_usage, kv })
+}
+
+/// Where the KV of a `do_remote_prefill` request lives.
+struct Remote {
+    host: String,
+    port: u16,
+    request_id: String,
+}
+
+fn remote_of(kv: &Value) -> Result<Option<Remote>, Response> {
+    if kv.get("do_remote_prefill").and_then(Value::as_bool) != Some(true) {
+        return Ok(None);
+    }
+    let host = kv.get("remote_host").and_then(Value::as_str);
+    let port = kv.get("remote_port").and_then(|p| p.as_u64().or_else(|| p.as_str().and_then(|s| s.parse().ok())));
+    let rid = kv.get("remote_request_id").and_then(Value::as_str);
+    match (host, port, rid) {
+        (Some(h), Some(p), Some(r)) if p > 0 && p <= u16::MAX as u64 => {
+            Ok(Some(Remote { host: h.to_owned(), port: p as u16, request_id: r.to_owned() }))
+        }
+        _ => Err(bad("kv_transfer_params with do_remote_prefill needs remote_host, remote_port and remote_request_id")),
+    }
+}
+
+async fn pull(s: &AppState, r: &Remote) -> bool {
+    let url = format!("http://{}:{}/internal/kv/pull", r.host, r.port);
+    match s.client.post(&url).json(&json!({"remote_request_id": r.request_id})).send().await {
+        Ok(resp) => resp.status().is_success(),
+        Err(_) => false,
+    }
+}
+
+/// Aborts the engine request when the response is dropped before it finished.
+struct AbortGuard {
+    engine: EngineHandle,
+    id: u64,
+    armed: bool,
+}
+
+impl Drop for AbortGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            self.engine.abort(self.id);
+        }
+    }
+}
+
+async fn generate(s: Arc<AppState>, ep: Endpoint, body: Bytes) -> Response {
+    let arrived = Instant::now();
+    let Ok(text) = std::str::from_utf8(&body) else {
+        return bad("request body is not UTF-8");
+    };
+    let p = match parse_body(&s, ep, text) {
+        Ok(p) => p,
+        Err(r) => return r,
+    };
+    let remote = match remote_of(&p.kv) {
+        Ok(r) => r,
+        Err(r) => return r,
+    };
+    let faults = s.faults();
+    if faults.latency_ms > 0.0 {
+        tokio::time::sleep(Duration::from_secs_f64(faults.latency_ms / 1000.0)).await;
+    }
+    if faults.hang {
+        s.wait_shutdown().await;
+        return error(StatusCode::SERVICE_UNAVAILABLE, "node is shutting down", None);
+    }
+    if faults.error_rate > 0.0 && s.uniform() < faults.error_rate {
+        s.with_metrics(|m| m.injected_errors += 1);
+        return error(StatusCode::INTERNAL_SERVER_ERROR, "injected fault: error_rate", None);
+    }
+    let mut kind = if p.kv.get("do_remote_decode").and_then(Value::as_bool) == Some(true) {
+        Kind::RemoteDecode
+    } else {
+        Kind::Local
+    };
+    if let Some(r) = &remote {
+        if pull(&s, r).await {
+            kind = Kind::RemotePrefill;
+        } else {
+            // vLLM's kv_load_failure_policy=recompute: compute the prompt here.
+            s.with_metrics(|m| m.kv_pull_failures += 1);
+        }
+    }
+    let prompt_len = p.prompt.len() as u32;
+    let key = s.gen.key(&p.prompt);
+    let (n_out, finish_reason) = match p.max_tokens {
+        Some(n) => (n, "length"),
+        None => {
+            let room = s.max_model_len.saturating_sub(prompt_len);
+            (s.gen.natural_len(key).min(room.max(1)), "stop")
+        }
+    };
+    let mut ids = p.prompt;
+    if (n_out as u64 + prompt_len as u64) <= s.max_model_len as u64 {
+        s.gen.push_ids(key, n_out, &mut ids);
+    }
+    let id = s.next_id.fetch_add(1, Ordering::Relaxed);
+    let name = s.request_name(if ep == Endpoint::Chat { "chatcmpl" } else { "cmpl" }, id);
+    let submit = Submit { id, content: Content::Explicit(ids.into()), prompt_len, max_tokens: n_out, kind };
+    tokio::time::sleep(s.request_overhead).await;
+    let rx = s.engine.submit(submit);
+    let guard = AbortGuard { engine: s.engine.clone(), id, armed: true };
+    let ctx = Ctx {
+        s: Arc::clone(&s),
+        ep,
+        name,
+        key,
+        finish_reason,
+        include_usage: p.include_usage,
+        kind,
+        arrived,
+    };
+    if p.stream {
+        stream_response(ctx, rx, guard).await
+    } else {
+        json_response(ctx, rx, guard).await
+    }
+}
+
+struct Ctx {
+    s: Arc<AppState>,
+    ep: Endpoint,
+    name: String,
+    key: u64,
+    finish_reason: &'static str,
+    include_usage: bool,
+    kind: Kind,
+    arrived: Instant,
+}
+
+impl Ctx {
+    fn usage(&self, u: &Usage) -> Value {
+        json!({
+            "prompt_tokens": u.prompt_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "completion_tokens": u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}
+        })
+    }
+
+    fn kv_params(&self, blocks: &[u32]) -> Value {
+        if self.kind != Kind::RemoteDecode {
+            return Value::Null;
+        }
+        json!({
+            "do_remote_prefill": true,
+            "do_remote_decode": false,
+            "remote_block_ids": blocks,
+            "remote_engine_id": self.s.engine_id,
+            "remote_request_id": self.name,
+            "remote_host": self.s.advertise_host,
+            "remote_port": self.s.port,
+            "tp_size": 1,
+            "transfer_mode": "pull"
+        })
+    }
+
+    fn finish_str(&self, f: Finish) -> &'static str {
+        match f {
+            Finish::Length => self.finish_reason,
+            Finish::Aborted => "abort",
+        }
+    }
+
+    fn record(&self, ttft: Option<f64>, itl: &[f64], finish: &str) {
+        let e2e = self.arrived.elapsed().as_secs_f64();
+        self.s.with_metrics(|m| {
+            if let Some(t) = ttft {
+                m.ttft.observe(t);
+            }
+            for &x in itl {
+                m.itl.observe(x);
+            }
+            m.e2e.observe(e2e);
+            match finish {
+                "length" => m.success_length += 1,
+                "stop" => m.success_stop += 1,
+                _ => m.success_abort += 1,
+            }
+        });
+    }
+
+    fn chunk(&self, choice: Value, usage: Option<Value>) -> String {
+        let object = if self.ep == Endpoint::Chat { "chat.completion.chunk" } else { "text_completion" };
+        let mut v = json!({"id": self.name, "object": object, "created": unix_now(), "model": self.s.model, "choices": choice});
+        if let Some(u) = usage {
+            v["usage"] = u;
+        }
+        format!("data: {v}\n\n")
+    }
+
+    fn token_choice(&self, piece: &str) -> Value {
+        match self.ep {
+            Endpoint::Chat => json!([{"index": 0, "delta": {"content": piece}, "logprobs": null, "finish_reason": null}]),
+            Endpoint::Completion => {
+                json!([{"index": 0, "text": piece, "logprobs": null, "finish_reason": null, "stop_reason": null}])
+            }
+        }
+    }
+}
+
+async fn json_response(ctx: Ctx, mut rx: mpsc::UnboundedReceiver<Out>, mut guard: AbortGuard) -> Response {
+    let mut text = String::new();
+    let mut ttft = None;
+    let mut last = Instant::now();
+    let mut itl = Vec::new();
+    loop {
+        match rx.recv().await {
+            Some(Out::Token { index }) => {
+                let now = Instant::now();
+                if index == 0 {
+                    ttft = Some(ctx.arrived.elapsed().as_secs_f64());
+                } else {
+                    itl.push(now.duration_since(last).as_secs_f64());
+                }
+                last = now;
+                text.push_str(&ctx.s.gen.piece(ctx.key, index));
+            }
+            Some(Out::Rejected(e)) => {
+                guard.armed = false;
+                return bad(e.to_string());
+            }
+            Some(Out::Finished { usage, finish, held_blocks }) => {
+                guard.armed = false;
+                let fr = ctx.finish_str(finish);
+                ctx.record(ttft, &itl, fr);
+                let choice = match ctx.ep {
+                    Endpoint::Chat => json!({
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text, "refusal": null, "annotations": null,
+                                    "audio": null, "function_call": null, "tool_calls": [], "reasoning_content": null},
+                        "logprobs": null, "finish_reason": fr, "stop_reason": null
+                    }),
+                    Endpoint::Completion => json!({
+                        "index": 0, "text": text, "logprobs": null, "finish_reason": fr,
+                        "stop_reason": null, "prompt_logprobs": null
+                    }),
+                };
+                let object = if ctx.ep == Endpoint::Chat { "chat.completion" } else { "text_completion" };
+                let mut body = json!({
+                    "id": ctx.name, "object": object, "created": unix_now(), "model": ctx.s.model,
+                    "choices": [choice], "usage": ctx.usage(&usage),
+                    "system_fingerprint": null, "kv_transfer_params": ctx.kv_params(&held_blocks)
+                });
+                if ctx.ep == Endpoint::Chat {
+                    body["service_tier"] = Value::Null;
+                    body["prompt_logprobs"] = Value::Null;
+                }
+                return axum::Json(body).into_response();
+            }
+            None => {
+                guard.armed = false;
+                return error(StatusCode::SERVICE_UNAVAILABLE, "engine stopped", None);
+            }
+        }
+    }
+}
+
+struct StreamState {
+    ctx: Ctx,
+    rx: mpsc::UnboundedReceiver<Out>,
+    guard: AbortGuard,
+    last: Instant,
+    ttft: Option<f64>,
+    itl: Vec<f64>,
+    done: bool,
+}
+
+async fn stream_response(ctx: Ctx, mut rx: mpsc::UnboundedReceiver<Out>, mut guard: AbortGuard) -> Response {
+    // Refusals arrive before any token: answer them as JSON errors, like vLLM.
+    let first = rx.recv().await;
+    let first = match first {
+        Some(Out::Rejected(e)) => {
+            guard.armed = false;
+            return bad(e.to_string());
+        }
+        None => {
+            guard.armed = false;
+            return error(StatusCode::SERVICE_UNAVAILABLE, "engine stopped", None);
+        }
+        Some(o) => o,
+    };
+    let st = StreamState { ctx, rx, guard, last: Instant::now(), ttft: None, itl: Vec::new(), done: false };
+    let stream = futures_util::stream::unfold((st, Some(first)), |(mut st, pending)| async move {
+        if st.done {
+            return None;
+        }
+        let mut buf = String::new();
+        let mut next = match pending {
+            Some(o) => Some(o),
+            None => st.rx.recv().await,
+        };
+        // Drain what is ready so one write carries a whole step's tokens.
+        loop {
+            match next {
+                None => {
+                    st.done = true;
+                    st.guard.armed = false;
+                    if buf.is_empty() {
+                        return Some((Err(std::io::Error::other("engine stopped mid-stream")), (st, None)));
+                    }
+                    break;
+                }
+                Some(Out::Token { index }) => {
+                    let now = Instant::now();
+                    if index == 0 {
+                        st.ttft = Some(st.ctx.arrived.elapsed().as_secs_f64());
+                    } else {
+                        st.itl.push(now.duration_since(st.last).as_secs_f64());
+                    }
+                    st.last = now;
+                    let piece = st.ctx.s.gen.piece(st.ctx.key, index);
+                    if index == 0 && st.ctx.ep == Endpoint::Chat {
+                        let role = json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]);
+                        buf.push_str(&st.ctx.chunk(role, None));
+                    }
+                    buf.push_str(&st.ctx.chunk(st.ctx.token_choice(&piece), None));
+                }
+                Some(Out::Rejected(e)) => {
+                    st.done = true;
+                    st.guard.armed = false;
+                    let err = json!({"error": {"message": e.to_string(), "type": "BadRequestError", "param": null, "code": 400}});
+                    buf.push_str(&format!("data: {err}\n\ndata: [DONE]\n\n"));
+                    break;
+                }
+                Some(Out::Finished { usage, finish, .. }) => {
+                    st.done = true;
+                    st.guard.armed = false;
+                    let fr = st.ctx.finish_str(finish);
+                    st.ctx.record(st.ttft, &st.itl, fr);
+                    let tail = match st.ctx.ep {
+                        Endpoint::Chat => json!([{"index": 0, "delta": {}, "logprobs": null, "finish_reason": fr, "stop_reason": null}]),
+                        Endpoint::Completion => json!([{"index": 0, "text": "", "logprobs": null, "finish_reason": fr, "stop_reason": null}]),
+                    };
+                    buf.push_str(&st.ctx.chunk(tail, None));
+                    if st.ctx.include_usage {
+                        buf.push_str(&st.ctx.chunk(json!([]), Some(st.ctx.usage(&usage))));
+                    }
+                    buf.push_str("data: [DONE]\n\n");
+                    break;
+                }
+            }
+            next = match st.rx.try_recv() {
+                Ok(o) => Some(o),
+                Err(mpsc::error::TryRecvError::Empty) => break,
+                Err(mpsc::error::TryRecvError::Disconnected) => None,
+            };
+        }
+        if st.ctx.s.crashed.load(Ordering::SeqCst) && !st.done {
+            // A crash cuts streams mid-way.
+            st.done = true;
+            return Some((Err(std::io::Error::other("node crashed")), (st, None)));
+        }
+        Some((Ok::<Bytes, std::io::Error>(Bytes::from(buf)), (st, None)))
+    });
+    let mut resp = Response::new(Body::from_stream(stream));
+    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream; charset=utf-8"));
+    resp.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    resp
+}

@@ -1,0 +1,64 @@
+//! Engine profiles: the built-in calibrated one, by name, or a TOML file by path.
+
+use ppd_core::emu::Profile;
+
+use crate::Error;
+
+/// Name of the built-in profile (fitted to the measured H100 data).
+pub const DEFAULT_PROFILE_NAME: &str = "h100-llama3.1-8b";
+/// Its TOML text, as committed in `tables/`.
+pub const DEFAULT_PROFILE: &str = include_str!("../../../tables/engine-h100-llama3.1-8b.toml");
+
+pub(crate) fn default_profile() -> Profile {
+    // The committed file is checked by a unit test; a broken build would fail there.
+    parse(DEFAULT_PROFILE, DEFAULT_PROFILE_NAME).unwrap_or_else(|_| Profile::test_profile())
+}
+
+fn parse(text: &str, origin: &str) -> Result<Profile, Error> {
+    let p: Profile =
+        toml::from_str(text).map_err(|e| Error::Config(format!("profile {origin}: {e}")))?;
+    p.validate().map_err(|e| Error::Config(format!("profile {origin}: {e}")))?;
+    Ok(p)
+}
+
+/// Loads a profile: the built-in one by name (`h100-llama3.1-8b`,
+/// `engine-h100-llama3.1-8b`, `default`), else a TOML file at that path.
+pub fn load_profile(name_or_path: &str) -> Result<Profile, Error> {
+    match name_or_path.trim() {
+        "" | "default" | DEFAULT_PROFILE_NAME | "engine-h100-llama3.1-8b" => {
+            parse(DEFAULT_PROFILE, DEFAULT_PROFILE_NAME)
+        }
+        path => {
+            let text = std::fs::read_to_string(path).map_err(|e| {
+                Error::Config(format!(
+                    "profile {path:?}: not a built-in name ({DEFAULT_PROFILE_NAME}) and not a readable file: {e}"
+                ))
+            })?;
+            parse(&text, path)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_committed_profile_parses_and_validates() {
+        let p = load_profile(DEFAULT_PROFILE_NAME).unwrap();
+        assert_eq!(p.kv_bytes_per_token, 131_072);
+        assert_eq!(p.block_size, 16);
+    }
+
+    #[test]
+    fn a_missing_file_is_a_clear_error() {
+        let e = load_profile("/nonexistent/profile.toml").unwrap_err().to_string();
+        assert!(e.contains("not a readable file"), "{e}");
+    }
+
+    #[test]
+    fn unknown_fields_are_refused() {
+        let text = format!("{DEFAULT_PROFILE}\nbogus = 1\n");
+        assert!(parse(&text, "x").is_err());
+    }
+}
