@@ -98,6 +98,7 @@ class RunState:
     chunks: int = 0
     records: list[RequestRecord] = field(default_factory=list)
     arrival_lag: list[float] = field(default_factory=list)
+    loop_lag: list[float] = field(default_factory=list)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0 if self.t0 else 0.0
@@ -179,13 +180,25 @@ async def _stream_once(
             await resp.read()
             st.error = f"http_{resp.status}"
             return st
-        async for line in resp.content:
-            if not line.startswith(b"data:"):
-                continue  # blank separators, comments, event names
-            state.chunks += 1
-            parse_event(line[5:].strip(), st, time.perf_counter() - t_start)
+        # Read whatever bytes arrived and split lines ourselves: one await per
+        # network read instead of one per SSE line.
+        pending = b""
+        async for data in resp.content.iter_any():
+            now = time.perf_counter() - t_start
+            lines = (pending + data).split(b"\n")
+            pending = lines.pop()
+            for line in lines:
+                if not line.startswith(b"data:"):
+                    continue  # blank separators, comments, event names
+                state.chunks += 1
+                parse_event(line[5:].strip(), st, now)
+                if st.done or st.error:
+                    break
             if st.done or st.error:
                 break
+        if pending.startswith(b"data:") and not (st.done or st.error):
+            state.chunks += 1  # a last event without its line break
+            parse_event(pending[5:].strip(), st, time.perf_counter() - t_start)
     if st.error is None and not st.done:
         st.error = "malformed_stream"  # the stream ended without [DONE]
     if st.error is None and st.ttft is None:
@@ -283,6 +296,14 @@ async def discover_model(http: aiohttp.ClientSession, url: str, cfg: BenchConfig
         raise TargetError(f"{models_url(url)} lists no model; give --model") from e
 
 
+async def _probe_loop_lag(state: RunState, interval: float = 0.02) -> None:
+    """How late the event loop wakes a sleeper: the client's own queueing delay."""
+    while True:
+        t = time.perf_counter()
+        await asyncio.sleep(interval)
+        state.loop_lag.append(max(0.0, time.perf_counter() - t - interval))
+
+
 def _raise_fd_limit() -> None:
     # Hundreds of concurrent streams need a socket each; lift the soft limit to the hard one.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -312,6 +333,7 @@ async def run_bench(
                                      auto_decompress=False) as http:
         model = cfg.model or await discover_model(http, url, cfg)
         ui = asyncio.ensure_future(on_start(state)) if on_start else None
+        probe = asyncio.ensure_future(_probe_loop_lag(state))
         tasks: list[asyncio.Task[None]] = []
         state.t0 = time.perf_counter()
         for i, at in enumerate(arrivals):
@@ -326,16 +348,20 @@ async def run_bench(
         if tasks:
             await asyncio.gather(*tasks)
         duration = time.perf_counter() - state.t0
+        probe.cancel()
         if ui is not None:
             ui.cancel()
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
-    summary = summarize(state.records, max(duration, cfg.duration if not arrivals else 1e-9))
+    summary = summarize(state.records, max(duration, 1e-9))
     lag = percentile(state.arrival_lag, 99)
+    loop50, loop99 = percentile(state.loop_lag, 50), percentile(state.loop_lag, 99)
     summary["client"] = {
         "cpu_seconds": (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime),
         "sse_events": state.chunks,
         "peak_concurrent_requests": state.peak_in_flight,
         "arrival_lag_p99_ms": None if lag is None else lag * 1000.0,
+        "loop_lag_p50_ms": None if loop50 is None else loop50 * 1000.0,
+        "loop_lag_p99_ms": None if loop99 is None else loop99 * 1000.0,
     }
     summary["run"] = {
         "target": url, "model": model, "qps": cfg.qps, "duration": cfg.duration,
