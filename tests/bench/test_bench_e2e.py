@@ -15,7 +15,6 @@ from collections import Counter
 from typing import Any
 
 import pytest
-
 from ppd_router.bench.arrivals import poisson_arrivals
 from ppd_router.bench.metrics import NOT_SENT, SWEEP_COLUMNS
 from ppd_router.bench.stub_server import StubConfig, StubServer, user_turn
@@ -147,7 +146,7 @@ def test_requests_carry_streaming_options_and_the_streamed_history(result):
     checked = 0
     for turns in by_conv.values():
         turns.sort(key=len)
-        for prev, cur in zip(turns, turns[1:]):
+        for prev, cur in zip(turns, turns[1:], strict=False):
             # Next turn = previous messages + the answer streamed back + a new user message.
             assert cur[: len(prev)] == prev
             assert cur[len(prev)] == {"role": "assistant", "content": " tok" * 128}
@@ -161,7 +160,7 @@ def test_csv_row_has_sweep_columns_and_the_run(result):
     with open(csv_path, newline="") as f:
         rows = list(csv.reader(f))
     assert tuple(rows[0]) == SWEEP_COLUMNS and len(rows) == 2
-    row = dict(zip(rows[0], rows[1]))
+    row = dict(zip(rows[0], rows[1], strict=True))
     assert (row["config"], row["t1_context"], row["t2_workload"]) == ("stub", "small", "mid_bal")
     assert int(row["total_requests"]) == summary["total_requests"]
     assert float(row["success_rate_pct"]) == pytest.approx(100 * summary["success_rate"])

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
 from ppd_router.bench.metrics import (
     NOT_SENT,
     SWEEP_COLUMNS,

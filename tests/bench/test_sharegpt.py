@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from ppd_router.bench import sharegpt as sg
 from ppd_router.bench.workloads import ConversationFilter, load_sharegpt
 
@@ -57,7 +56,7 @@ def test_any_cut_recovers_exactly_the_records_that_end_before_it(data):
     text, ends = _dump()
     cut = data.draw(st.integers(1, len(text)))
     chunk = data.draw(st.sampled_from([3, 17, 1 << 20]))
-    expected = [r for r, end in zip(RECORDS, ends) if end <= cut]
+    expected = [r for r, end in zip(RECORDS, ends, strict=True) if end <= cut]
     old = sg._CHUNK_CHARS
     sg._CHUNK_CHARS = chunk  # small chunks exercise records spanning reads
     try:

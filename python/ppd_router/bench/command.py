@@ -144,28 +144,25 @@ def _summary_lines(summary: dict[str, Any]) -> list[str]:
         "local share of Turn 2+: " + ("- (no x-ppd-path header)" if share is None
                                        else f"{100 * share:.1f}%  paths {summary['paths']}"),
         "failures: " + (", ".join(f"{k} {v}" for k, v in fails.items()) if fails else "none"),
-        f"client: {cl['cpu_seconds']:.2f} CPU s, {cl['sse_events']} SSE events, peak "
-        f"{cl['peak_concurrent_requests']} concurrent requests, arrival lag p99 "
-        f"{_fmt(cl['arrival_lag_p99_ms'], 2)} ms",
+        f"client: {cl['cpu_seconds']:.2f} CPU s, {cl['sse_events']} SSE events, "
+        f"peak {cl['peak_concurrent_requests']} streams, loop lag p99 "
+        f"{_fmt(cl['loop_lag_p99_ms'], 2)} ms",
     ]
 
 
 def _progress_view(state: RunState, duration: float) -> Any:
-    from rich.table import Table
+    from rich.text import Text
 
-    done = [r for r in state.records if r.ok]
+    ok = [r for r in state.records if r.ok]
     failed = sum(1 for r in state.records if r.reason is not None)
-    ttft = [r.ttft for r in done[-500:] if r.ttft is not None]
-    p50 = percentile(ttft, 50)
-    t = Table.grid(padding=(0, 2))
-    t.add_row(
-        f"[bold]{min(state.elapsed(), duration):5.1f}/{duration:g} s[/]",
-        f"conversations {state.arrived}/{state.scheduled} arrived, {state.conversations_done} done",
-        f"in flight {state.in_flight} (peak {state.peak_in_flight})",
-        f"requests ok {len(done)} failed {failed}",
-        f"TTFT p50 (last 500) {_fmt(None if p50 is None else p50 * 1000)} ms",
+    p50 = percentile([r.ttft for r in ok[-500:] if r.ttft is not None], 50)
+    ttft = "-" if p50 is None else f"{p50 * 1000:.0f} ms"
+    return Text.from_markup(
+        f"[bold]{min(state.elapsed(), duration):5.1f}/{duration:g} s[/]  "
+        f"conversations {state.arrived}/{state.scheduled} ({state.conversations_done} done)  "
+        f"in flight {state.in_flight} (peak {state.peak_in_flight})\n"
+        f"requests ok {len(ok)}  failed [red]{failed}[/]  TTFT p50 of last 500: {ttft}"
     )
-    return t
 
 
 def _live_display(duration: float) -> Any:

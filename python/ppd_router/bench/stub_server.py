@@ -32,7 +32,8 @@ PathRule = Callable[[dict[str, Any], "web.Request"], Optional[str]]
 
 def user_turn(body: dict[str, Any]) -> int:
     """Turn number of a chat request: its count of user messages."""
-    return sum(1 for m in body.get("messages", ()) if isinstance(m, dict) and m.get("role") == "user")
+    msgs = body.get("messages", ())
+    return sum(1 for m in msgs if isinstance(m, dict) and m.get("role") == "user")
 
 
 def default_path(body: dict[str, Any], request: "web.Request") -> Optional[str]:

@@ -365,7 +365,8 @@ def conversations_from_records(
             counts["too_few_turns"] += 1
             continue
         cid = rec.get("id") if isinstance(rec, dict) else None
-        kept.append(Conversation(str(cid) if cid is not None else f"{prefix}-{n}", tuple(turns), system))
+        conv_id = str(cid) if cid is not None else f"{prefix}-{n}"
+        kept.append(Conversation(conv_id, tuple(turns), system))
     return kept, counts
 
 
