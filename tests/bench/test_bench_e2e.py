@@ -175,3 +175,40 @@ def test_second_run_appends_a_row_to_the_csv(result, run, capsys):
     capsys.readouterr()
     with open(csv_path, newline="") as f:
         assert len(list(csv.reader(f))) == 3
+
+
+def _run_quiet(argv: list[str]) -> tuple[int, dict, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(argv)
+    return rc, json.loads(out.getvalue()), err.getvalue()
+
+
+def test_json_mode_prints_only_the_object(result, run):
+    argv, _, _ = run
+    short = argv[: argv.index("--out")] + ["--duration", "0.3", "--json"]
+    rc, summary, err = _run_quiet(short)
+    assert rc == 0 and err == "" and "turn1" in summary
+
+
+def test_think_time_separates_turns_and_missing_usage_falls_back_to_word_rule():
+    think = 0.15
+    cfg = StubConfig(ttft_s=0.0, behaviour=lambda body, req: "no_usage", record=True)
+    with StubServer(cfg) as server:
+        from ppd_router.bench.client import BenchConfig
+        from ppd_router.bench.client import run as run_bench
+        from ppd_router.bench.workloads import load_workload
+
+        res = run_bench(BenchConfig(target=server.url, workload=load_workload("small_tiny"),
+                                    qps=5, duration=0.6, seed=2, think_time=think))
+    recs = res.records
+    assert recs and all(r.ok for r in recs)
+    # No usage chunk: completion tokens come from the streamed text (" tok" = 1 token each).
+    assert all(not r.usage_reported for r in recs)
+    assert sorted({r.completion_tokens for r in recs}) == [32, 128]
+    by_conv: dict[int, dict[int, Any]] = {}
+    for r in recs:
+        by_conv.setdefault(r.conversation, {})[r.turn] = r
+    for turns in by_conv.values():
+        first, second = turns[1], turns[2]
+        assert second.start >= first.start + first.e2e + 0.9 * think

@@ -26,7 +26,6 @@ from ppd_router.bench.workloads import (
     Workload,
     WorkloadError,
     load_workload,
-    workload_names,
 )
 
 
@@ -245,4 +244,4 @@ def run_command(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["register", "run_command", "append_csv", "workload_names"]
+__all__ = ["register", "run_command", "append_csv", "summary_table"]

@@ -25,7 +25,7 @@ from aiohttp import web
 
 # What to do with one request: "ok", "http_500" (any http_<code>), "hang",
 # "malformed" (a non-JSON event), "no_done" (stream ends without [DONE]),
-# "drop" (connection closed mid-stream).
+# "drop" (connection closed mid-stream), "no_usage" (no usage chunk).
 Behaviour = Callable[[dict[str, Any], "web.Request"], str]
 PathRule = Callable[[dict[str, Any], "web.Request"], Optional[str]]
 
@@ -110,7 +110,7 @@ def make_app(cfg: StubConfig) -> web.Application:
                 return resp
         await resp.write(finish)
         n_prompt = sum(len(str(m.get("content", "")).split()) for m in body.get("messages", ()))
-        if (body.get("stream_options") or {}).get("include_usage"):
+        if (body.get("stream_options") or {}).get("include_usage") and what != "no_usage":
             await resp.write(_chunk({**base, "choices": [], "usage": {
                 "prompt_tokens": n_prompt, "completion_tokens": n,
                 "total_tokens": n_prompt + n}}))
