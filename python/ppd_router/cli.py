@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 from ppd_router import PpdError, __version__
 
 # Modules under ppd_router that provide ``register(subparsers)``.
-COMMANDS = ["table_cli", "bench.command"]
+COMMANDS = ["table_cli", "bench.command", "bench.build_table"]
 
 
 def build_parser() -> argparse.ArgumentParser:
