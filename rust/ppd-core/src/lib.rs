@@ -13,6 +13,7 @@ pub mod policy;
 pub mod qps;
 pub mod request;
 pub mod session;
+pub mod sim;
 pub mod table;
 pub mod tokens;
 

@@ -15,7 +15,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-pub use layout::{parse_layout, LayoutRole};
+pub use layout::{node_role, parse_layout, LayoutRole};
 pub use profile::{load_profile, DEFAULT_PROFILE, DEFAULT_PROFILE_NAME};
 pub use ppd_core::emu::Profile;
 
@@ -255,7 +255,7 @@ pub async fn start_cluster(roles: &[LayoutRole], base: &NodeConfig) -> Result<Cl
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let mut cfg = base.clone();
-        cfg.role = role.node_role();
+        cfg.role = node_role(role);
         cfg.port = addr.port();
         cfg.seed = base.seed.wrapping_add(i as u64);
         cfg.engine_id = Some(format!("emu-{}{}-{}", role.as_str(), i, addr.port()));

@@ -217,6 +217,7 @@ pub struct Engine {
     budget: u32,
     max_model_len: u32,
     lease_ms: f64,
+    full_transfer: bool,
     step_model: super::profile::StepModel,
     emit_tokens: bool,
     pool: BlockPool,
@@ -247,6 +248,7 @@ impl Engine {
             budget: p.max_num_batched_tokens.max(1),
             max_model_len: p.max_model_len,
             lease_ms: p.kv_lease_s * 1000.0,
+            full_transfer: p.link.full_prompt_transfer,
             step_model: p.step,
             emit_tokens,
             pool: BlockPool::new(p.kv_blocks),
@@ -608,7 +610,13 @@ impl Engine {
                 } else {
                     0
                 };
-                if external > 0 {
+                // P2pNccl-style connectors resend the whole prompt; NIXL pulls the rest only.
+                let pull = if kind == Kind::RemotePrefill && first && self.full_transfer {
+                    self.seq(slot).prompt_len - 1
+                } else {
+                    external
+                };
+                if pull > 0 {
                     let prompt_len = self.seq(slot).prompt_len;
                     let need = self.blocks_for(prompt_len - 1) - hit_blocks;
                     if need as u32 > self.pool.num_free() {
@@ -625,13 +633,13 @@ impl Engine {
                     seq.first_scheduled = true;
                     seq.state = State::WaitingRemote;
                     seq.usage.cached_tokens = hit_tokens + external;
-                    seq.usage.external_tokens = external;
+                    seq.usage.external_tokens = pull;
                     let id = seq.id;
                     self.pool.stats.queries += num_tokens as u64;
                     self.pool.stats.hits += hit_tokens as u64;
-                    self.stats.external_queries += external as u64;
-                    self.stats.external_hits += external as u64;
-                    let bytes = external as u64 * self.kv_bytes;
+                    self.stats.external_queries += pull as u64;
+                    self.stats.external_hits += pull as u64;
+                    let bytes = pull as u64 * self.kv_bytes;
                     self.stats.transfers += 1;
                     self.stats.transfer_bytes += bytes;
                     self.waiting.pop_front();

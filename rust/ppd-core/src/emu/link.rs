@@ -148,6 +148,7 @@ mod tests {
         Link::new(LinkModel {
             gbps: 1.0,
             latency_ms: 1.0,
+            full_prompt_transfer: false,
         })
     }
 

@@ -8,4 +8,4 @@ pub mod profile;
 pub mod text;
 
 pub use engine::{Content, Engine, Event, Finish, Kind, Snapshot, Submit, SubmitError, Usage};
-pub use profile::{ApiModel, BatchShape, LinkModel, Profile, StepModel};
+pub use profile::{ApiModel, BatchShape, Harness, LinkModel, Profile, StepModel};

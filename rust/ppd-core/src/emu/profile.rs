@@ -81,6 +81,10 @@ pub struct LinkModel {
     pub gbps: f64,
     /// Fixed cost of one transfer (handshake, metadata, completion notice), ms.
     pub latency_ms: f64,
+    /// Move the whole prompt's KV even where D already caches a prefix (P2pNccl,
+    /// the paper's connector). `false` pulls only what D lacks (vLLM's NIXL).
+    #[serde(default)]
+    pub full_prompt_transfer: bool,
 }
 
 impl LinkModel {
@@ -100,6 +104,16 @@ pub struct ApiModel {
     /// Per request forwarded by the router (one hop), ms; the simulator adds it per hop.
     #[serde(default)]
     pub router_hop_ms: f64,
+}
+
+/// How the measured rows were produced (the paper's load harness), for the simulator only.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Harness {
+    /// Conversations the client keeps in flight; later arrivals wait for a slot
+    /// (their Turn-1 TTFT includes the wait). 0 = unbounded.
+    #[serde(default)]
+    pub max_conversations: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -125,6 +139,8 @@ pub struct Profile {
     pub step: StepModel,
     pub link: LinkModel,
     pub api: ApiModel,
+    #[serde(default)]
+    pub harness: Harness,
 }
 
 impl Profile {
@@ -199,11 +215,13 @@ impl Profile {
             link: LinkModel {
                 gbps: 10.0,
                 latency_ms: 2.0,
+                full_prompt_transfer: false,
             },
             api: ApiModel {
                 request_overhead_ms: 1.0,
                 router_hop_ms: 1.0,
             },
+            harness: Harness::default(),
         }
     }
 }
@@ -251,6 +269,7 @@ mod tests {
         let l = LinkModel {
             gbps: 25.0,
             latency_ms: 0.0,
+            full_prompt_transfer: false,
         };
         // Paper B.6: 5,115 tokens × 128 KiB over 25 GB/s ≈ 27 ms.
         let t = l.alone_ms(5115 * 131_072);

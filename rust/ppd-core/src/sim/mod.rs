@@ -1,0 +1,683 @@
+//! The virtual-time cluster simulator: the emulator's engine model on every node,
+//! this crate's own [`DecisionEngine`] as the router, and the paper's two-turn
+//! Poisson workloads, reporting the metrics of the measured result files.
+//!
+//! One point (deployment × policy × workload × QPS) is one deterministic run;
+//! [`run_grid`] spreads many points over threads.
+
+pub mod layout;
+mod workload;
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+
+use ahash::AHashMap;
+use serde::{Deserialize, Serialize};
+
+use crate::emu::engine::mix64;
+use crate::emu::{Content, Engine, Event, Kind, Profile, Submit};
+use crate::engine::{DecisionEngine, DecisionInput, Path, Weights};
+use crate::policy::PolicyKind;
+use crate::qps::QpsEstimator;
+use crate::table::Table;
+use crate::Error;
+pub use layout::{parse_layout, LayoutRole};
+pub use workload::{paper_workload_names, Workload, T2_WORKLOADS};
+
+/// One simulated point. Times in seconds, as on the command line.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SimConfig {
+    pub deployment: String,
+    pub policy: String,
+    pub workload: String,
+    pub qps: f64,
+    #[serde(default = "default_duration")]
+    pub duration_s: f64,
+    #[serde(default)]
+    pub seed: u64,
+    #[serde(default = "default_timeout")]
+    pub timeout_s: f64,
+    #[serde(default = "default_turns")]
+    pub turns: u32,
+    #[serde(default = "one")]
+    pub w_ttft: f64,
+    #[serde(default = "one")]
+    pub w_tpot: f64,
+}
+
+fn default_duration() -> f64 {
+    10.0
+}
+fn default_timeout() -> f64 {
+    30.0
+}
+fn default_turns() -> u32 {
+    2
+}
+fn one() -> f64 {
+    1.0
+}
+
+impl SimConfig {
+    pub fn new(deployment: &str, policy: &str, workload: &str, qps: f64) -> SimConfig {
+        SimConfig {
+            deployment: deployment.into(),
+            policy: policy.into(),
+            workload: workload.into(),
+            qps,
+            duration_s: default_duration(),
+            seed: 0,
+            timeout_s: default_timeout(),
+            turns: default_turns(),
+            w_ttft: 1.0,
+            w_tpot: 1.0,
+        }
+    }
+}
+
+/// Per-turn metrics, named as in the measured result files.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct TurnStats {
+    pub count: u64,
+    pub avg_ttft_ms: f64,
+    pub p50_ttft_ms: f64,
+    pub p99_ttft_ms: f64,
+    pub avg_tpot_ms: f64,
+    pub p50_tpot_ms: f64,
+    pub p99_tpot_ms: f64,
+    pub avg_e2e_ms: f64,
+    pub p99_e2e_ms: f64,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Throughput {
+    pub requests_per_sec: f64,
+    pub tokens_per_sec: f64,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct SimResult {
+    pub turn1: TurnStats,
+    pub turn2plus: TurnStats,
+    pub throughput: Throughput,
+    /// Completed requests over requests sent, in [0, 1].
+    pub success_rate: f64,
+    /// Share of Turn 2+ requests routed `local`.
+    pub local_share: f64,
+    pub total_requests: u64,
+    pub failed_requests: u64,
+    /// Virtual seconds from the first arrival to the last completion.
+    pub duration_s: f64,
+}
+
+/// A placeholder table for policies that never consult one.
+fn placeholder_table() -> Result<Table, Error> {
+    let doc = r#"{"schema":"ppd-table/1","source":"placeholder","axes":{"context_bins":[512,4096],
+      "workloads":[{"name":"tiny","n_in":16,"n_out":32}],"qps":[1]},
+      "cells":[{"context":"small","workload":"tiny","qps":1,
+        "x0":{"ttft_ms":1,"tpot_ms":1,"n":1},"x1":{"ttft_ms":1,"tpot_ms":1,"n":1}}]}"#;
+    Ok(Table::from_json(doc, "<placeholder>")?)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    /// On P, prefilling for the D that will pull (node, of the final stage).
+    Prefill { d: usize },
+    /// Producing the answer.
+    Final,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct ReqInfo {
+    conv: u32,
+    stage: Stage,
+    node: usize,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Conv {
+    key: u64,
+    arrival: f64,
+    turn: u32,
+    /// When the current turn's latency clock started (arrival for Turn 1, send for later).
+    start: f64,
+    sent: f64,
+    first_token: Option<f64>,
+    d: Option<usize>,
+    on_replica: bool,
+    /// The current engine request (node, id).
+    cur: Option<(usize, u64)>,
+    /// P's held KV for the D pull in flight (node, id).
+    hold: Option<(usize, u64)>,
+    done: bool,
+    context: u32,
+}
+
+#[derive(Debug, Clone)]
+enum Ext {
+    Arrive(u32),
+    Send(u32),
+    Submit { node: usize, conv: u32, stage: Stage, req: Submit },
+    Release { node: usize, id: u64 },
+    Timeout { conv: u32, turn: u32 },
+}
+
+#[derive(Default)]
+struct Samples {
+    ttft: Vec<f64>,
+    tpot: Vec<f64>,
+    e2e: Vec<f64>,
+}
+
+/// numpy's default (linear) percentile.
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = p / 100.0 * (sorted.len() - 1) as f64;
+    let lo = rank.floor() as usize;
+    let hi = rank.ceil() as usize;
+    sorted[lo] + (sorted[hi] - sorted[lo]) * (rank - lo as f64)
+}
+
+fn mean(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        0.0
+    } else {
+        v.iter().sum::<f64>() / v.len() as f64
+    }
+}
+
+impl Samples {
+    fn stats(mut self) -> TurnStats {
+        for v in [&mut self.ttft, &mut self.tpot, &mut self.e2e] {
+            v.sort_by(f64::total_cmp);
+        }
+        TurnStats {
+            count: self.e2e.len() as u64,
+            avg_ttft_ms: mean(&self.ttft),
+            p50_ttft_ms: percentile(&self.ttft, 50.0),
+            p99_ttft_ms: percentile(&self.ttft, 99.0),
+            avg_tpot_ms: mean(&self.tpot),
+            p50_tpot_ms: percentile(&self.tpot, 50.0),
+            p99_tpot_ms: percentile(&self.tpot, 99.0),
+            avg_e2e_ms: mean(&self.e2e),
+            p99_e2e_ms: percentile(&self.e2e, 99.0),
+        }
+    }
+}
+
+struct Sim<'a> {
+    cfg: &'a SimConfig,
+    p: &'a Profile,
+    wl: Workload,
+    router: DecisionEngine,
+    qps: QpsEstimator,
+    roles: Vec<LayoutRole>,
+    nodes: Vec<Engine>,
+    ps: Vec<usize>,
+    ds: Vec<usize>,
+    rs: Vec<usize>,
+    rr_p: usize,
+    rr_d: usize,
+    rr_r: usize,
+    replica_share: f64,
+    heap: BinaryHeap<Reverse<(u64, u64)>>,
+    ext: AHashMap<u64, (f64, Ext)>,
+    seq: u64,
+    next_id: u64,
+    reqs: AHashMap<u64, ReqInfo>,
+    convs: Vec<Conv>,
+    queue: VecDeque<u32>,
+    in_flight: u32,
+    open: usize,
+    samples: [Samples; 2],
+    sent: u64,
+    failed: u64,
+    out_tokens: u64,
+    local: u64,
+    decided2: u64,
+    last_done: f64,
+    ev: Vec<Event>,
+}
+
+/// Orders f64 times in the heap (all times are finite and ≥ 0).
+fn time_key(t: f64) -> u64 {
+    t.max(0.0).to_bits()
+}
+
+impl<'a> Sim<'a> {
+    fn push(&mut self, t: f64, e: Ext) {
+        self.seq += 1;
+        self.heap.push(Reverse((time_key(t), self.seq)));
+        self.ext.insert(self.seq, (t, e));
+    }
+
+    fn pick(list: &[usize], rr: &mut usize) -> usize {
+        let n = list[*rr % list.len()];
+        *rr += 1;
+        n
+    }
+
+    fn hop(&self) -> f64 {
+        self.p.api.router_hop_ms
+    }
+
+    fn submit_at(&mut self, t: f64, node: usize, conv: u32, stage: Stage, prompt: u32, out: u32, kind: Kind) {
+        self.next_id += 1;
+        let req = Submit {
+            id: self.next_id,
+            content: Content::Synthetic(self.convs[conv as usize].key),
+            prompt_len: prompt,
+            max_tokens: out,
+            kind,
+        };
+        let at = t + self.p.api.request_overhead_ms;
+        self.push(at, Ext::Submit { node, conv, stage, req });
+    }
+
+    /// The client sends the conversation's next turn at `t`; the router decides.
+    fn send(&mut self, t: f64, conv: u32) -> Result<(), Error> {
+        let c = &mut self.convs[conv as usize];
+        c.turn += 1;
+        c.sent = t;
+        c.start = if c.turn == 1 { c.arrival } else { t };
+        c.first_token = None;
+        let turn = c.turn;
+        let (n_in, n_out) = if turn == 1 { self.wl.t1 } else { self.wl.t2 };
+        let n_ctx = c.context;
+        let prompt = n_ctx + n_in;
+        let mut input = DecisionInput::turn(turn, n_in, n_out, n_ctx, self.qps.rate(t as u64));
+        input.conv_hash = c.key;
+        input.has_session = turn > 1;
+        input.session_on_replica = c.on_replica;
+        input.d_local_capable = c.d.is_some_and(|d| self.roles[d].local_capable());
+        input.replica_share = self.replica_share;
+        let route = self.router.decide(&input)?;
+        if turn > 1 {
+            self.decided2 += 1;
+        }
+        self.sent += 1;
+        let timeout = self.cfg.timeout_s * 1000.0;
+        self.push(t + timeout, Ext::Timeout { conv, turn });
+        let t = t + self.hop();
+        match route.path {
+            Path::Replica => {
+                if self.rs.is_empty() {
+                    return Err(Error::Config(format!(
+                        "deployment {} has no R node for the replica path",
+                        self.cfg.deployment
+                    )));
+                }
+                let c = &mut self.convs[conv as usize];
+                let node = match (c.on_replica, c.d) {
+                    (true, Some(r)) => r,
+                    _ => Self::pick(&self.rs, &mut self.rr_r),
+                };
+                let c = &mut self.convs[conv as usize];
+                c.on_replica = true;
+                c.d = Some(node);
+                self.submit_at(t, node, conv, Stage::Final, prompt, n_out, Kind::Local);
+            }
+            Path::Local => {
+                self.local += 1;
+                let node = self.convs[conv as usize].d.unwrap_or(self.ds[0]);
+                self.submit_at(t, node, conv, Stage::Final, prompt, n_out, Kind::Local);
+            }
+            Path::Pd => {
+                if self.ps.is_empty() || self.ds.is_empty() {
+                    return Err(Error::Config(format!(
+                        "deployment {} needs P and D nodes for the pd path",
+                        self.cfg.deployment
+                    )));
+                }
+                let p = Self::pick(&self.ps, &mut self.rr_p);
+                let d = match self.convs[conv as usize].d {
+                    Some(d) if !self.convs[conv as usize].on_replica => d,
+                    _ => Self::pick(&self.ds, &mut self.rr_d),
+                };
+                self.convs[conv as usize].d = Some(d);
+                self.submit_at(t, p, conv, Stage::Prefill { d }, prompt, 1, Kind::RemoteDecode);
+            }
+        }
+        Ok(())
+    }
+
+    fn start_conversation(&mut self, t: f64, conv: u32) -> Result<(), Error> {
+        self.in_flight += 1;
+        self.send(t, conv)
+    }
+
+    fn end_conversation(&mut self, t: f64, conv: u32) -> Result<(), Error> {
+        let c = &mut self.convs[conv as usize];
+        if c.done {
+            return Ok(());
+        }
+        c.done = true;
+        self.open -= 1;
+        self.in_flight -= 1;
+        self.last_done = self.last_done.max(t);
+        if let Some(next) = self.queue.pop_front() {
+            self.start_conversation(t, next)?;
+        }
+        Ok(())
+    }
+
+    fn handle_ext(&mut self, t: f64, e: Ext) -> Result<(), Error> {
+        match e {
+            Ext::Arrive(conv) => {
+                self.qps.record(t as u64);
+                let cap = self.p.harness.max_conversations;
+                if cap > 0 && self.in_flight >= cap {
+                    self.queue.push_back(conv);
+                } else {
+                    self.start_conversation(t, conv)?;
+                }
+            }
+            Ext::Send(conv) => self.send(t, conv)?,
+            Ext::Submit { node, conv, stage, req } => {
+                let c = &self.convs[conv as usize];
+                if c.done {
+                    return Ok(());
+                }
+                let id = req.id;
+                self.reqs.insert(id, ReqInfo { conv, stage, node });
+                self.convs[conv as usize].cur = Some((node, id));
+                let mut ev = std::mem::take(&mut self.ev);
+                let r = self.nodes[node].submit(t, req, &mut ev);
+                if let Err(e) = r {
+                    self.ev = ev;
+                    return Err(Error::Config(format!("workload {}: {e}", self.cfg.workload)));
+                }
+                self.handle_events(node, &mut ev)?;
+                self.ev = ev;
+            }
+            Ext::Release { node, id } => {
+                let mut ev = std::mem::take(&mut self.ev);
+                self.nodes[node].take_hold(t, id, &mut ev);
+                self.handle_events(node, &mut ev)?;
+                self.ev = ev;
+            }
+            Ext::Timeout { conv, turn } => {
+                let c = &self.convs[conv as usize];
+                if c.done || c.turn != turn {
+                    return Ok(());
+                }
+                self.failed += 1;
+                let cur = c.cur;
+                let hold = c.hold;
+                let mut ev = std::mem::take(&mut self.ev);
+                if let Some((node, id)) = cur {
+                    self.reqs.remove(&id);
+                    self.nodes[node].abort(t, id, &mut ev);
+                    self.handle_events(node, &mut ev)?;
+                }
+                if let Some((node, id)) = hold {
+                    self.nodes[node].take_hold(t, id, &mut ev);
+                    self.handle_events(node, &mut ev)?;
+                }
+                self.ev = ev;
+                self.end_conversation(t, conv)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn handle_events(&mut self, node: usize, ev: &mut Vec<Event>) -> Result<(), Error> {
+        for e in ev.drain(..) {
+            match e {
+                Event::Token { id, index: 0, t } => {
+                    if let Some(r) = self.reqs.get(&id) {
+                        if r.stage == Stage::Final {
+                            self.convs[r.conv as usize].first_token = Some(t);
+                        }
+                    }
+                }
+                Event::Token { .. } | Event::LeaseExpired { .. } => {}
+                Event::TransferDone { id, t } => {
+                    if let Some(r) = self.reqs.get(&id) {
+                        if let Some((pn, pid)) = self.convs[r.conv as usize].hold.take() {
+                            self.push(t, Ext::Release { node: pn, id: pid });
+                        }
+                    }
+                }
+                Event::Finished { id, t, usage, finish } => {
+                    let Some(r) = self.reqs.remove(&id) else { continue };
+                    if finish == crate::emu::Finish::Aborted {
+                        continue;
+                    }
+                    let conv = r.conv;
+                    match r.stage {
+                        Stage::Prefill { d } => {
+                            let c = &mut self.convs[conv as usize];
+                            c.hold = Some((node, id));
+                            let (n_in, n_out) = if c.turn == 1 { self.wl.t1 } else { self.wl.t2 };
+                            let prompt = c.context + n_in;
+                            let at = t + self.hop();
+                            self.submit_at(at, d, conv, Stage::Final, prompt, n_out, Kind::RemotePrefill);
+                        }
+                        Stage::Final => {
+                            let c = &mut self.convs[conv as usize];
+                            let first = c.first_token.unwrap_or(t);
+                            let turn = c.turn;
+                            let idx = usize::from(turn > 1);
+                            let n = usage.completion_tokens;
+                            self.samples[idx].ttft.push(first - c.start);
+                            self.samples[idx].e2e.push(t - c.start);
+                            if n > 1 {
+                                self.samples[idx].tpot.push((t - first) / (n - 1) as f64);
+                            }
+                            self.out_tokens += n as u64;
+                            let (n_in, _) = if turn == 1 { self.wl.t1 } else { self.wl.t2 };
+                            c.context += n_in + n;
+                            c.cur = None;
+                            self.last_done = self.last_done.max(t);
+                            let _ = r.node;
+                            if turn < self.cfg.turns {
+                                self.push(t, Ext::Send(conv));
+                            } else {
+                                self.end_conversation(t, conv)?;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn run(mut self) -> Result<SimResult, Error> {
+        // Poisson arrivals over [0, duration).
+        let mut rng = mix64(self.cfg.seed ^ 0x5EED);
+        let mut t = 0.0;
+        let horizon = self.cfg.duration_s * 1000.0;
+        loop {
+            rng = mix64(rng);
+            let u = ((rng >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+            t += -u.ln() / self.cfg.qps * 1000.0;
+            if t >= horizon {
+                break;
+            }
+            let idx = self.convs.len() as u32;
+            let key = mix64(self.cfg.seed.wrapping_mul(0x9E37) ^ (idx as u64 + 1));
+            self.convs.push(Conv { key, arrival: t, ..Conv::default() });
+            self.push(t, Ext::Arrive(idx));
+        }
+        self.open = self.convs.len();
+        let mut ev = Vec::with_capacity(256);
+        while self.open > 0 {
+            let te = self.heap.peek().map(|Reverse((k, _))| f64::from_bits(*k));
+            let mut tn = f64::INFINITY;
+            let mut ni = usize::MAX;
+            for (i, n) in self.nodes.iter().enumerate() {
+                if let Some(x) = n.next_event_time() {
+                    if x < tn {
+                        tn = x;
+                        ni = i;
+                    }
+                }
+            }
+            match te {
+                Some(te) if te <= tn => {
+                    let Some(Reverse((_, s))) = self.heap.pop() else { break };
+                    if let Some((t, e)) = self.ext.remove(&s) {
+                        self.handle_ext(t, e)?;
+                    }
+                }
+                _ if ni != usize::MAX => {
+                    self.nodes[ni].advance(tn, &mut ev);
+                    self.handle_events(ni, &mut ev)?;
+                }
+                _ => break,
+            }
+        }
+        let done = self.sent - self.failed;
+        let dur_ms = self.last_done.max(1.0);
+        let [s1, s2] = std::mem::take(&mut self.samples);
+        Ok(SimResult {
+            turn1: s1.stats(),
+            turn2plus: s2.stats(),
+            throughput: Throughput {
+                requests_per_sec: done as f64 / (dur_ms / 1000.0),
+                tokens_per_sec: self.out_tokens as f64 / (dur_ms / 1000.0),
+            },
+            success_rate: if self.sent == 0 { 1.0 } else { done as f64 / self.sent as f64 },
+            local_share: if self.decided2 == 0 { 0.0 } else { self.local as f64 / self.decided2 as f64 },
+            total_requests: self.sent,
+            failed_requests: self.failed,
+            duration_s: dur_ms / 1000.0,
+        })
+    }
+}
+
+/// Runs one point. `table` is needed by the `ppd` policy only.
+pub fn simulate(cfg: &SimConfig, profile: &Profile, table: Option<&Table>) -> Result<SimResult, Error> {
+    profile.validate()?;
+    if !cfg.qps.is_finite() || cfg.qps <= 0.0 || cfg.qps > 10_000.0 {
+        return Err(Error::Config(format!("qps must be in (0, 10000], got {}", cfg.qps)));
+    }
+    if !cfg.duration_s.is_finite() || cfg.duration_s <= 0.0 || cfg.duration_s > 86_400.0 {
+        return Err(Error::Config(format!("duration must be in (0, 86400] s, got {}", cfg.duration_s)));
+    }
+    if !cfg.timeout_s.is_finite() || cfg.timeout_s <= 0.0 {
+        return Err(Error::Config(format!("timeout must be > 0 s, got {}", cfg.timeout_s)));
+    }
+    if cfg.turns == 0 || cfg.turns > 64 {
+        return Err(Error::Config(format!("turns must be 1–64, got {}", cfg.turns)));
+    }
+    if cfg.qps * cfg.duration_s > 1_000_000.0 {
+        return Err(Error::Config("qps × duration above 1,000,000 conversations".into()));
+    }
+    let wl = Workload::by_name(&cfg.workload)?;
+    let roles = parse_layout(&cfg.deployment)?;
+    let kind = PolicyKind::parse(&cfg.policy)?;
+    let table = match (kind, table) {
+        (_, Some(t)) => t.clone(),
+        (PolicyKind::Ppd, None) => {
+            return Err(Error::Config("policy ppd needs a lookup table (--table)".into()))
+        }
+        _ => placeholder_table()?,
+    };
+    let router = DecisionEngine::new(table, kind, Weights::new(cfg.w_ttft, cfg.w_tpot)?);
+    let idx = |f: fn(LayoutRole) -> bool| -> Vec<usize> {
+        roles.iter().enumerate().filter(|(_, r)| f(**r)).map(|(i, _)| i).collect()
+    };
+    let ps = idx(|r| r == LayoutRole::P);
+    let ds = idx(|r| r.is_decode());
+    let rs = idx(|r| r == LayoutRole::R);
+    // New conversations split between replicas and the P/D pipeline by their
+    // serving nodes; a deployment lacking P or D sends everything to replicas.
+    let replica_share = if ps.is_empty() || ds.is_empty() {
+        if rs.is_empty() {
+            return Err(Error::Config(format!("deployment {}: needs P and D nodes, or R nodes", cfg.deployment)));
+        }
+        1.0
+    } else {
+        rs.len() as f64 / (rs.len() + ds.len()) as f64
+    };
+    let nodes = roles.iter().map(|_| Engine::new(profile, false)).collect();
+    let sim = Sim {
+        cfg,
+        p: profile,
+        wl,
+        router,
+        qps: QpsEstimator::new(10_000, 100)?,
+        roles,
+        nodes,
+        ps,
+        ds,
+        rs,
+        rr_p: 0,
+        rr_d: 0,
+        rr_r: 0,
+        replica_share,
+        heap: BinaryHeap::new(),
+        ext: AHashMap::new(),
+        seq: 0,
+        next_id: 0,
+        reqs: AHashMap::new(),
+        convs: Vec::new(),
+        queue: VecDeque::new(),
+        in_flight: 0,
+        open: 0,
+        samples: Default::default(),
+        sent: 0,
+        failed: 0,
+        out_tokens: 0,
+        local: 0,
+        decided2: 0,
+        last_done: 0.0,
+        ev: Vec::new(),
+    };
+    sim.run()
+}
+
+/// Runs points on `threads` threads; results keep the order of `points`.
+pub fn run_grid(
+    points: &[SimConfig],
+    profile: &Profile,
+    table: Option<&Table>,
+    threads: usize,
+) -> Vec<Result<SimResult, Error>> {
+    let threads = threads.clamp(1, 64).min(points.len().max(1));
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut out: Vec<Option<Result<SimResult, Error>>> = (0..points.len()).map(|_| None).collect();
+    let slots = std::sync::Mutex::new(&mut out);
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if i >= points.len() {
+                    break;
+                }
+                let r = simulate(&points[i], profile, table);
+                if let Ok(mut o) = slots.lock() {
+                    o[i] = Some(r);
+                }
+            });
+        }
+    });
+    out.into_iter()
+        .map(|r| r.unwrap_or_else(|| Err(Error::Config("grid worker failed".into()))))
+        .collect()
+}
+
+/// The paper's 17 configurations with the policy that realises each:
+/// `local` (D nodes stay x = 0 by role, pD nodes append-prefill) or `replica` for 4R.
+pub fn paper_configs() -> Vec<(&'static str, &'static str)> {
+    [
+        "1P_1D_2pD", "1P_2D_1pD", "1P_3D", "1P_3pD", "1R_1P_1D_1pD", "1R_1P_2D", "1R_1P_2pD",
+        "1R_2P_1D", "1R_2P_1pD", "2P_1D_1pD", "2P_2D", "2P_2pD", "2R_1P_1D", "2R_1P_1pD",
+        "3P_1D", "3P_1pD", "4R",
+    ]
+    .into_iter()
+    .map(|c| (c, if c == "4R" { "replica" } else { "local" }))
+    .collect()
+}
+
+/// The paper's QPS levels.
+pub const PAPER_QPS: [f64; 10] = [0.5, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 16.0, 20.0];
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,140 @@
+use super::*;
+
+fn profile() -> Profile {
+    let mut p = Profile::test_profile();
+    p.kv_blocks = 20_000;
+    p.max_num_seqs = 256;
+    p.max_num_batched_tokens = 8192;
+    p
+}
+
+fn run(dep: &str, policy: &str, wl: &str, qps: f64) -> SimResult {
+    simulate(&SimConfig::new(dep, policy, wl, qps), &profile(), None).unwrap()
+}
+
+#[test]
+fn every_conversation_completes_both_turns_at_low_load() {
+    let r = run("2P2pD", "local", "small_mid_bal", 2.0);
+    assert!(r.turn1.count > 5);
+    assert_eq!(r.turn1.count, r.turn2plus.count);
+    assert_eq!(r.success_rate, 1.0);
+    assert_eq!(r.local_share, 1.0);
+    assert!(r.turn2plus.avg_tpot_ms > 0.0 && r.turn1.avg_ttft_ms > 0.0);
+}
+
+#[test]
+fn local_turn2_beats_pd_turn2_ttft_for_decode_heavy_work() {
+    // The paper's central finding: x = 1 cuts Turn-2 TTFT (no re-prefill, no transfer).
+    let x0 = run("2P_2D", "local", "large_tiny", 4.0);
+    let x1 = run("2P_2pD", "local", "large_tiny", 4.0);
+    assert_eq!(x0.local_share, 0.0, "decode-only D nodes never go local");
+    assert_eq!(x1.local_share, 1.0);
+    assert!(x1.turn2plus.avg_ttft_ms < x0.turn2plus.avg_ttft_ms, "{} vs {}", x1.turn2plus.avg_ttft_ms, x0.turn2plus.avg_ttft_ms);
+}
+
+#[test]
+fn partial_configurations_route_by_node_capability() {
+    let r = run("1P_1D_2pD", "local", "small_tiny", 8.0);
+    assert!(r.local_share > 0.4 && r.local_share < 0.9, "{}", r.local_share);
+    let pd = run("2P2pD", "pd", "small_tiny", 4.0);
+    assert_eq!(pd.local_share, 0.0);
+    let half = run("2P2pD", "fraction:0.5", "small_tiny", 8.0);
+    assert!(half.local_share > 0.2 && half.local_share < 0.8, "{}", half.local_share);
+}
+
+#[test]
+fn replicas_serve_everything_in_4r_and_part_in_hybrids() {
+    let r = run("4R", "replica", "small_tiny", 4.0);
+    assert_eq!(r.success_rate, 1.0);
+    assert_eq!(r.local_share, 0.0);
+    let h = run("1R_1P_2D", "local", "small_tiny", 4.0);
+    assert_eq!(h.success_rate, 1.0);
+    // Without a P/D pipeline any policy falls back to replicas.
+    assert_eq!(run("4R", "local", "small_tiny", 2.0).success_rate, 1.0);
+}
+
+#[test]
+fn the_same_seed_gives_the_same_result_and_another_seed_differs() {
+    let mut c = SimConfig::new("2P2pD", "local", "large_mid_paste", 6.0);
+    let a = simulate(&c, &profile(), None).unwrap();
+    let b = simulate(&c, &profile(), None).unwrap();
+    assert_eq!(a, b);
+    c.seed = 7;
+    let d = simulate(&c, &profile(), None).unwrap();
+    assert_ne!(a, d);
+}
+
+#[test]
+fn a_slower_link_raises_pd_turn2_ttft_but_not_local() {
+    let mut fast = profile();
+    fast.link.full_prompt_transfer = true;
+    let mut slow = fast.clone();
+    slow.link.gbps = 1.0;
+    let c0 = SimConfig::new("1P_3D", "local", "large_tiny", 1.0);
+    let c1 = SimConfig::new("1P_3pD", "local", "large_tiny", 1.0);
+    let fast0 = simulate(&c0, &fast, None).unwrap();
+    let slow0 = simulate(&c0, &slow, None).unwrap();
+    let fast1 = simulate(&c1, &fast, None).unwrap();
+    let slow1 = simulate(&c1, &slow, None).unwrap();
+    assert!(slow0.turn2plus.avg_ttft_ms > fast0.turn2plus.avg_ttft_ms + 100.0);
+    assert!((slow1.turn2plus.avg_ttft_ms - fast1.turn2plus.avg_ttft_ms).abs() < 1.0, "local Turn 2 moves no KV");
+    // A NIXL-style pull moves only what D lacks: Turn 2 on the same D is nearly unaffected.
+    let mut nixl_slow = slow.clone();
+    nixl_slow.link.full_prompt_transfer = false;
+    let n0 = simulate(&c0, &nixl_slow, None).unwrap();
+    assert!(n0.turn2plus.avg_ttft_ms < slow0.turn2plus.avg_ttft_ms - 100.0);
+}
+
+#[test]
+fn overload_with_a_short_timeout_fails_requests() {
+    let mut c = SimConfig::new("3P_1D", "local", "large_very_long_gen", 20.0);
+    c.timeout_s = 5.0;
+    let r = simulate(&c, &profile(), None).unwrap();
+    assert!(r.success_rate < 1.0 && r.failed_requests > 0);
+    assert!(r.success_rate >= 0.0);
+}
+
+#[test]
+fn the_harness_cap_queues_conversations_into_turn1_ttft() {
+    let mut p = profile();
+    let c = SimConfig::new("4R", "replica", "large_short_gen", 8.0);
+    let free = simulate(&c, &p, None).unwrap();
+    p.harness.max_conversations = 4;
+    let capped = simulate(&c, &p, None).unwrap();
+    assert!(capped.turn1.avg_ttft_ms > 2.0 * free.turn1.avg_ttft_ms);
+}
+
+#[test]
+fn bad_configs_are_errors_not_panics() {
+    let p = profile();
+    for c in [
+        SimConfig::new("2X", "local", "small_tiny", 1.0),
+        SimConfig::new("2P2pD", "nope", "small_tiny", 1.0),
+        SimConfig::new("2P2pD", "local", "medium_tiny", 1.0),
+        SimConfig::new("2P2pD", "local", "small_tiny", 0.0),
+        SimConfig::new("2P2pD", "local", "small_tiny", f64::NAN),
+        SimConfig::new("2P2pD", "ppd", "small_tiny", 1.0),
+        SimConfig::new("2P2pD", "replica", "small_tiny", 1.0),
+        SimConfig::new("2D", "local", "small_tiny", 1.0),
+    ] {
+        assert!(simulate(&c, &p, None).is_err(), "{c:?}");
+    }
+}
+
+#[test]
+fn the_grid_runner_keeps_point_order() {
+    let pts: Vec<SimConfig> = [1.0, 2.0, 4.0].iter().map(|&q| SimConfig::new("2P2pD", "local", "small_tiny", q)).collect();
+    let r = run_grid(&pts, &profile(), None, 2);
+    let counts: Vec<u64> = r.iter().map(|x| x.as_ref().unwrap().turn1.count).collect();
+    assert!(counts[0] < counts[1] && counts[1] < counts[2], "{counts:?}");
+    assert_eq!(paper_workload_names().len(), 18);
+    assert_eq!(paper_configs().len(), 17);
+}
+
+#[test]
+fn percentiles_interpolate_like_numpy() {
+    let v = [1.0, 2.0, 3.0, 4.0];
+    assert_eq!(percentile(&v, 50.0), 2.5);
+    assert!((percentile(&v, 99.0) - 3.97).abs() < 1e-9);
+    assert_eq!(percentile(&[], 50.0), 0.0);
+}
