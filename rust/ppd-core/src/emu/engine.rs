@@ -21,6 +21,10 @@ use super::profile::{BatchShape, Profile};
 pub enum Content {
     Explicit(Arc<[u64]>),
     Synthetic(u64),
+    /// Like `Synthetic`, but blocks from `stable_blocks` on are salted: a client
+    /// whose re-rendered history differs from what was generated (so the last
+    /// answer misses the cache) is modelled with a salt per turn.
+    SyntheticSalted { key: u64, stable_blocks: u32, salt: u64 },
 }
 
 /// SplitMix64 finaliser: a cheap, well-mixed 64-bit hash.
@@ -37,6 +41,10 @@ impl Content {
     fn block_hash(&self, j: usize, parent: u64, block_size: usize) -> u64 {
         match self {
             Content::Synthetic(key) => mix64(key ^ mix64(j as u64 + 1)),
+            Content::SyntheticSalted { key, stable_blocks, salt } => {
+                let k = if (j as u32) < *stable_blocks { *key } else { key ^ mix64(*salt) };
+                mix64(k ^ mix64(j as u64 + 1))
+            }
             Content::Explicit(toks) => {
                 let mut h = mix64(parent ^ 0x5bd1_e995);
                 for &t in &toks[j * block_size..(j + 1) * block_size] {
@@ -48,7 +56,7 @@ impl Content {
     }
     fn len_available(&self) -> usize {
         match self {
-            Content::Synthetic(_) => usize::MAX,
+            Content::Synthetic(_) | Content::SyntheticSalted { .. } => usize::MAX,
             Content::Explicit(t) => t.len(),
         }
     }

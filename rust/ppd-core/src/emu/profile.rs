@@ -107,13 +107,27 @@ pub struct ApiModel {
 }
 
 /// How the measured rows were produced (the paper's load harness), for the simulator only.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Harness {
     /// Conversations the client keeps in flight; later arrivals wait for a slot
     /// (their Turn-1 TTFT includes the wait). 0 = unbounded.
     #[serde(default)]
     pub max_conversations: u32,
+    /// Whether a turn's re-rendered history hits the cache for the previous
+    /// answer (true with the emulator's tokenizer; the measured client's did not).
+    #[serde(default = "yes")]
+    pub answer_prefix_hit: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl Default for Harness {
+    fn default() -> Self {
+        Harness { max_conversations: 0, answer_prefix_hit: true }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

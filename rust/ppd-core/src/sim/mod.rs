@@ -152,6 +152,8 @@ struct Conv {
     hold: Option<(usize, u64)>,
     done: bool,
     context: u32,
+    /// Tokens before the last answer (they re-render identically).
+    stable_tokens: u32,
 }
 
 #[derive(Debug, Clone)]
@@ -266,9 +268,19 @@ impl<'a> Sim<'a> {
 
     fn submit_at(&mut self, t: f64, node: usize, conv: u32, stage: Stage, prompt: u32, out: u32, kind: Kind) {
         self.next_id += 1;
+        let c = &self.convs[conv as usize];
+        let content = if self.p.harness.answer_prefix_hit {
+            Content::Synthetic(c.key)
+        } else {
+            Content::SyntheticSalted {
+                key: c.key,
+                stable_blocks: c.stable_tokens / self.p.block_size,
+                salt: c.turn as u64,
+            }
+        };
         let req = Submit {
             id: self.next_id,
-            content: Content::Synthetic(self.convs[conv as usize].key),
+            content,
             prompt_len: prompt,
             max_tokens: out,
             kind,
@@ -470,6 +482,7 @@ impl<'a> Sim<'a> {
                             }
                             self.out_tokens += n as u64;
                             let (n_in, _) = if turn == 1 { self.wl.t1 } else { self.wl.t2 };
+                            c.stable_tokens = c.context + n_in;
                             c.context += n_in + n;
                             c.cur = None;
                             self.last_done = self.last_done.max(t);

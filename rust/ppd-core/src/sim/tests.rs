@@ -138,3 +138,14 @@ fn percentiles_interpolate_like_numpy() {
     assert!((percentile(&v, 99.0) - 3.97).abs() < 1e-9);
     assert_eq!(percentile(&[], 50.0), 0.0);
 }
+
+#[test]
+fn a_client_whose_history_misses_the_cache_pays_for_the_last_answer() {
+    let mut p = profile();
+    let c = SimConfig::new("4R", "replica", "large_tiny", 1.0);
+    let hit = simulate(&c, &p, None).unwrap();
+    p.harness.answer_prefix_hit = false;
+    let miss = simulate(&c, &p, None).unwrap();
+    // 1,024 answer tokens recomputed at 0.05 ms each (+ attention) in Turn 2's prefill.
+    assert!(miss.turn2plus.avg_ttft_ms > hit.turn2plus.avg_ttft_ms + 40.0, "{} vs {}", miss.turn2plus.avg_ttft_ms, hit.turn2plus.avg_ttft_ms);
+}
