@@ -13,6 +13,7 @@ from ppd_router._core import (
     PpdError,
     QpsEstimator,
     Route,
+    Router,
     SessionTable,
     Table,
     TableError,
@@ -20,6 +21,7 @@ from ppd_router._core import (
     __version__,
     count_tokens,
     identify,
+    validate_router_config,
 )
 
 __all__ = [
@@ -31,6 +33,7 @@ __all__ = [
     "PpdError",
     "QpsEstimator",
     "Route",
+    "Router",
     "SessionTable",
     "Table",
     "TableError",
@@ -38,4 +41,5 @@ __all__ = [
     "__version__",
     "count_tokens",
     "identify",
+    "validate_router_config",
 ]

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 from ppd_router import PpdError, __version__
 
 # Modules under ppd_router that provide ``register(subparsers)``.
-COMMANDS = ["table_cli", "bench.command", "bench.build_table"]
+COMMANDS = ["table_cli", "serve", "bench.command", "bench.build_table", "emulate", "simulate"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +34,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # The reader (e.g. `head`) went away; that is not an error of ours.
         sys.stderr.close()
         return 0
-    except (PpdError, ValueError, OSError) as e:
+    except (PpdError, ValueError, OSError, RuntimeError) as e:
         print(f"ppd-router {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

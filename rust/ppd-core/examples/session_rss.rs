@@ -14,15 +14,24 @@ fn rss_kib() -> u64 {
 }
 
 fn main() {
-    let n: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(1_000_000);
+    let n: usize = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(1_000_000);
     let before = rss_kib();
-    let table = SessionTable::new(SessionConfig { capacity: n.max(1), ..SessionConfig::default() })
-        .expect("valid config");
+    let table = SessionTable::new(SessionConfig {
+        capacity: n.max(1),
+        ..SessionConfig::default()
+    })
+    .expect("valid config");
     let d = NodeId::new(2);
     let p = NodeId::new(1);
     for i in 0..n {
         // Ids shaped like the MD5 hex the router derives from a first message.
-        let id = format!("{:032x}", (i as u128).wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835));
+        let id = format!(
+            "{:032x}",
+            (i as u128).wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835)
+        );
         table.update(&id, i as u64, |s| {
             s.turns = 2;
             s.d = d;

@@ -230,7 +230,10 @@ impl SessionTable {
     /// can deadlock; a miss leaves the table one over until the next insert).
     fn evict_one(&self, own: &mut Shard) {
         let popped = own.pop_lru().is_some()
-            || self.shards.iter().any(|other| other.try_lock().is_some_and(|mut o| o.pop_lru().is_some()));
+            || self
+                .shards
+                .iter()
+                .any(|other| other.try_lock().is_some_and(|mut o| o.pop_lru().is_some()));
         if popped {
             self.live.fetch_sub(1, Ordering::AcqRel);
             self.counters.evicted_lru.fetch_add(1, Ordering::Relaxed);

@@ -1,5 +1,8 @@
 //! `ppd_router._core`: thin pyo3 wrappers over ppd-core; every core error becomes a Python exception.
 
+mod emulator;
+mod router;
+
 use pyo3::create_exception;
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
@@ -738,5 +741,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<QpsEstimator>()?;
     m.add_function(wrap_pyfunction!(count_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(identify, m)?)?;
+    router::register(m)?;
+    emulator::register(m)?;
     Ok(())
 }

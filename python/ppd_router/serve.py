@@ -1,0 +1,113 @@
+"""``ppd-router serve``: the router, from a TOML file and flags that share one schema."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any, Optional
+
+import orjson
+
+from ppd_router._core import Router, validate_router_config
+
+# flag -> (config key, type, help); list-valued flags take one or more URLs.
+_LISTS = {
+    "prefill": "prefill (P) node URLs",
+    "decode": "decode-only (D) node URLs",
+    "pd_capable": "prefill-capable decode (pD) node URLs",
+    "replica": "replica (R) node URLs",
+}
+_SCALARS: dict[str, tuple[type, str]] = {
+    "emulated": (str, "start an emulated cluster of this layout in-process, e.g. 2P2pD, 1P_1D_2pD, 4R"),
+    "emulator_profile": (str, "emulator profile name or path (with --emulated)"),
+    "policy": (str, "ppd | pd | local | fraction:X | replica (default ppd)"),
+    "table": (str, "lookup table path or builtin:h100-1P3pD|h100-2P2pD|h100-3P1pD (default: by P:D ratio)"),
+    "w_ttft": (float, "weight of the TTFT gain in Equation 1 (default 1)"),
+    "w_tpot": (float, "weight of the TPOT loss in Equation 1 (default 1)"),
+    "kv_protocol": (str, "nixl | p2pnccl | none (default nixl)"),
+    "host": (str, "address to listen on (default 127.0.0.1)"),
+    "port": (int, "port to listen on (default 8000)"),
+    "admin_token": (str, "bearer token of the admin API (disabled without it)"),
+    "session_ttl": (float, "session idle TTL in seconds (default 3600)"),
+    "session_capacity": (int, "live sessions kept at most (default 1000000)"),
+    "request_timeout": (float, "whole-request limit in seconds (default 600)"),
+    "prefill_timeout": (float, "limit for P's prefill in seconds (default 120)"),
+    "connect_timeout": (float, "upstream connect limit in seconds (default 5)"),
+    "stream_idle_timeout": (float, "longest silence inside a stream in seconds (default 60)"),
+    "max_body_bytes": (int, "largest request body (default 16 MiB)"),
+    "health_interval": (float, "seconds between health checks (default 5)"),
+    "heartbeat_timeout": (float, "seconds without heartbeat before a registered node goes (default 30)"),
+    "breaker_failures": (int, "consecutive failures that open a node's breaker (default 3)"),
+    "breaker_open": (float, "seconds a breaker stays open (default 10)"),
+    "overload_inflight": (int, "in-flight requests at which local is vetoed on a pD (0 = off)"),
+    "qps_window": (float, "QPS estimator window in seconds (default 10)"),
+    "replica_share": (float, "hybrid R + P/D: share of new conversations for replicas"),
+    "kv_bytes_per_token": (int, "KV bytes per token for the KV-moved metrics (default 131072)"),
+    "tokenizer": (str, "tokenizer.json for exact token counts (default: word rule)"),
+    "log": (str, "log filter (default warn)"),
+}
+
+
+def config_from(args: argparse.Namespace) -> dict[str, Any]:
+    """The TOML file's settings, overridden by every flag given."""
+    cfg: dict[str, Any] = {}
+    if args.config:
+        path = Path(args.config)
+        try:
+            cfg = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{path}: {e}") from None
+    for key in list(_LISTS) + list(_SCALARS):
+        value = getattr(args, key)
+        if value is not None:
+            cfg[key] = value
+    return cfg
+
+
+def build_router(cfg: dict[str, Any]) -> Router:
+    return Router(orjson.dumps(cfg).decode())
+
+
+def _serve(args: argparse.Namespace) -> int:
+    cfg = config_from(args)
+    if args.print_config:
+        sys.stdout.write(validate_router_config(orjson.dumps(cfg).decode()) + "\n")
+        return 0
+    router = build_router(cfg)
+    discovery = None
+    if args.discovery:
+        from ppd_router.discovery import Discovery
+
+        url = router.start()
+        discovery = Discovery(router, args.discovery)
+        discovery.start()
+        print(f"ppd-router listening on {url}; discovery on {args.discovery}", file=sys.stderr)
+        try:
+            discovery.wait()
+        finally:
+            discovery.stop()
+            router.stop()
+        return 0
+    router.serve()
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the router (OpenAI-compatible endpoint over P / D / pD / R nodes)")
+    p.add_argument("--config", metavar="FILE.toml", help="settings file; flags override it")
+    for key, help_text in _LISTS.items():
+        p.add_argument("--" + key.replace("_", "-"), nargs="+", metavar="URL", default=None, help=help_text)
+    for key, (typ, help_text) in _SCALARS.items():
+        p.add_argument("--" + key.replace("_", "-"), type=typ, default=None, help=help_text)
+    p.add_argument("--discovery", metavar="tcp://HOST:PORT", default=None,
+                   help="also accept node registrations over ZMQ (vLLM P2pNccl format) on this address")
+    p.add_argument("--print-config", action="store_true", help="print the validated settings as JSON and exit")
+    p.set_defaults(func=_serve)
+
+
+def main(argv: Optional[list[str]] = None) -> int:  # pragma: no cover - thin wrapper
+    from ppd_router.cli import main as cli_main
+
+    return cli_main(["serve", *(argv or [])])

@@ -1,0 +1,315 @@
+//! Python bindings of the engine emulator (HTTP nodes) and the virtual-time simulator.
+//!
+//! Every entry point releases the GIL while Rust runs, and no panic crosses
+//! into Python: errors become `ValueError`/`RuntimeError` with the reason.
+
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use std::sync::Mutex;
+
+use ppd_core::sim::{self, SimConfig};
+use ppd_emulator::{ClusterThread, Faults, NodeConfig, Role};
+
+const BUILTIN_TABLES: [(&str, u32, u32, &str); 3] = [
+    (
+        "h100-1P3pD",
+        1,
+        3,
+        include_str!("../../../tables/h100-llama3.1-8b-1P3pD.json"),
+    ),
+    (
+        "h100-2P2pD",
+        2,
+        2,
+        include_str!("../../../tables/h100-llama3.1-8b-2P2pD.json"),
+    ),
+    (
+        "h100-3P1pD",
+        3,
+        1,
+        include_str!("../../../tables/h100-llama3.1-8b-3P1pD.json"),
+    ),
+];
+
+fn cfg_err(e: impl std::fmt::Display) -> PyErr {
+    PyValueError::new_err(e.to_string())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn node_config(
+    role: &str,
+    host: &str,
+    port: u16,
+    profile: Option<&str>,
+    kv_link_gbps: Option<f64>,
+    max_num_seqs: Option<u32>,
+    max_num_batched_tokens: Option<u32>,
+    kv_blocks: Option<u32>,
+    seed: u64,
+    served_model_name: Option<&str>,
+    fault_latency_ms: f64,
+    fault_error_rate: f64,
+    fault_hang: bool,
+) -> PyResult<NodeConfig> {
+    let mut cfg = NodeConfig::new(Role::parse(role).map_err(cfg_err)?);
+    cfg.host = host.to_owned();
+    cfg.port = port;
+    if let Some(p) = profile {
+        cfg.profile = ppd_emulator::load_profile(p).map_err(cfg_err)?;
+    }
+    cfg.kv_link_gbps = kv_link_gbps;
+    cfg.max_num_seqs = max_num_seqs;
+    cfg.max_num_batched_tokens = max_num_batched_tokens;
+    cfg.kv_blocks = kv_blocks;
+    cfg.seed = seed;
+    if let Some(n) = served_model_name {
+        cfg.served_model_name = n.to_owned();
+    }
+    cfg.faults = Faults {
+        latency_ms: fault_latency_ms,
+        error_rate: fault_error_rate,
+        hang: fault_hang,
+        crash: false,
+    };
+    cfg.effective_profile().map_err(cfg_err)?;
+    Ok(cfg)
+}
+
+/// Runs one emulator node until SIGINT/SIGTERM (returns None) or a failure (raises).
+#[pyfunction]
+#[pyo3(signature = (role = "R", port = 8000, *, host = "127.0.0.1", profile = None, kv_link_gbps = None,
+    max_num_seqs = None, max_num_batched_tokens = None, kv_blocks = None, seed = 0, served_model_name = None,
+    fault_latency_ms = 0.0, fault_error_rate = 0.0, fault_hang = false))]
+#[allow(clippy::too_many_arguments)]
+fn run_emulator(
+    py: Python<'_>,
+    role: &str,
+    port: u16,
+    host: &str,
+    profile: Option<&str>,
+    kv_link_gbps: Option<f64>,
+    max_num_seqs: Option<u32>,
+    max_num_batched_tokens: Option<u32>,
+    kv_blocks: Option<u32>,
+    seed: u64,
+    served_model_name: Option<&str>,
+    fault_latency_ms: f64,
+    fault_error_rate: f64,
+    fault_hang: bool,
+) -> PyResult<()> {
+    let cfg = node_config(
+        role,
+        host,
+        port,
+        profile,
+        kv_link_gbps,
+        max_num_seqs,
+        max_num_batched_tokens,
+        kv_blocks,
+        seed,
+        served_model_name,
+        fault_latency_ms,
+        fault_error_rate,
+        fault_hang,
+    )?;
+    py.detach(|| ppd_emulator::run_blocking(cfg))
+        .map_err(|e| PyRuntimeError::new_err(e.to_string()))
+}
+
+/// Emulator nodes running in this process on free 127.0.0.1 ports.
+#[pyclass(module = "ppd_router._core")]
+struct EmulatedCluster {
+    inner: Mutex<Option<ClusterThread>>,
+    #[pyo3(get)]
+    urls: Vec<String>,
+    /// Layout roles in order: "P", "D", "pD" or "R".
+    #[pyo3(get)]
+    roles: Vec<String>,
+}
+
+#[pymethods]
+impl EmulatedCluster {
+    /// Stops every node (graceful) and joins their runtime; idempotent.
+    fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
+        let c = self
+            .inner
+            .lock()
+            .map_err(|_| PyRuntimeError::new_err("cluster lock poisoned"))?
+            .take();
+        if let Some(c) = c {
+            py.detach(|| c.shutdown());
+        }
+        Ok(())
+    }
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _t: Option<Py<PyAny>>,
+        _v: Option<Py<PyAny>>,
+        _tb: Option<Py<PyAny>>,
+    ) -> PyResult<bool> {
+        self.shutdown(py)?;
+        Ok(false)
+    }
+    fn __repr__(&self) -> String {
+        format!("EmulatedCluster({:?})", self.urls)
+    }
+}
+
+/// Starts the nodes of `layout` (e.g. "2P2pD", "1P_1D_2pD", "4R") in this process.
+#[pyfunction]
+#[pyo3(signature = (layout, *, profile = None, kv_link_gbps = None, max_num_seqs = None,
+    max_num_batched_tokens = None, kv_blocks = None, seed = 0, served_model_name = None))]
+#[allow(clippy::too_many_arguments)]
+fn start_emulated_cluster(
+    py: Python<'_>,
+    layout: &str,
+    profile: Option<&str>,
+    kv_link_gbps: Option<f64>,
+    max_num_seqs: Option<u32>,
+    max_num_batched_tokens: Option<u32>,
+    kv_blocks: Option<u32>,
+    seed: u64,
+    served_model_name: Option<&str>,
+) -> PyResult<EmulatedCluster> {
+    let roles = ppd_emulator::parse_layout(layout).map_err(cfg_err)?;
+    let base = node_config(
+        "R",
+        "127.0.0.1",
+        0,
+        profile,
+        kv_link_gbps,
+        max_num_seqs,
+        max_num_batched_tokens,
+        kv_blocks,
+        seed,
+        served_model_name,
+        0.0,
+        0.0,
+        false,
+    )?;
+    let c = py
+        .detach(|| ClusterThread::start(&roles, &base))
+        .map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+    Ok(EmulatedCluster {
+        urls: c.urls(),
+        roles: c.nodes.iter().map(|n| n.role.as_str().to_owned()).collect(),
+        inner: Mutex::new(Some(c)),
+    })
+}
+
+/// The roles of a layout, e.g. `parse_layout("1P_1D_2pD") == ["P", "D", "pD", "pD"]`.
+#[pyfunction]
+fn parse_layout(layout: &str) -> PyResult<Vec<String>> {
+    Ok(ppd_emulator::parse_layout(layout)
+        .map_err(cfg_err)?
+        .into_iter()
+        .map(|r| r.as_str().to_owned())
+        .collect())
+}
+
+/// A profile (built-in name or TOML path) as JSON.
+#[pyfunction]
+fn load_profile(name_or_path: &str) -> PyResult<String> {
+    let p = ppd_emulator::load_profile(name_or_path).map_err(cfg_err)?;
+    serde_json::to_string(&p).map_err(cfg_err)
+}
+
+/// The built-in table whose P:D ratio is nearest the deployment's.
+fn default_table(deployment: &str) -> PyResult<(&'static str, ppd_core::Table)> {
+    let roles = sim::parse_layout(deployment).map_err(cfg_err)?;
+    let p = roles.iter().filter(|r| **r == sim::LayoutRole::P).count() as f64;
+    let d = roles.iter().filter(|r| r.is_decode()).count() as f64;
+    let ratio = if d == 0.0 { f64::INFINITY } else { p / d };
+    let (name, _, _, text) = BUILTIN_TABLES
+        .iter()
+        .min_by(|a, b| {
+            let da = (a.1 as f64 / a.2 as f64 - ratio).abs();
+            let db = (b.1 as f64 / b.2 as f64 - ratio).abs();
+            da.total_cmp(&db)
+        })
+        .ok_or_else(|| PyRuntimeError::new_err("no built-in table"))?;
+    let t = ppd_core::Table::from_json(text, &format!("builtin:{name}")).map_err(cfg_err)?;
+    Ok((name, t))
+}
+
+/// Runs one simulated point. `config_json` holds SimConfig's fields (deployment,
+/// policy, workload, qps, duration_s, seed, timeout_s, turns, w_ttft, w_tpot);
+/// `table` is a path or `builtin:h100-2P2pD` (default for `ppd`: nearest P:D ratio).
+/// Returns the result as JSON (with `table` naming the table used, if any).
+#[pyfunction]
+#[pyo3(signature = (config_json, profile = None, table = None))]
+fn simulate(
+    py: Python<'_>,
+    config_json: &str,
+    profile: Option<&str>,
+    table: Option<&str>,
+) -> PyResult<String> {
+    let cfg: SimConfig =
+        serde_json::from_str(config_json).map_err(|e| cfg_err(format!("simulate config: {e}")))?;
+    let prof = ppd_emulator::load_profile(profile.unwrap_or("default")).map_err(cfg_err)?;
+    let wants_table = cfg.policy.trim() == "ppd";
+    let (table_name, table) = match table {
+        Some(spec) => {
+            if let Some(name) = spec.strip_prefix("builtin:") {
+                let (_, _, _, text) =
+                    BUILTIN_TABLES.iter().find(|t| t.0 == name).ok_or_else(|| {
+                        cfg_err(format!(
+                            "no builtin table {name:?} (have h100-1P3pD, h100-2P2pD, h100-3P1pD)"
+                        ))
+                    })?;
+                (
+                    spec.to_owned(),
+                    Some(ppd_core::Table::from_json(text, spec).map_err(cfg_err)?),
+                )
+            } else {
+                let text = std::fs::read_to_string(spec)
+                    .map_err(|e| cfg_err(format!("table {spec}: {e}")))?;
+                (
+                    spec.to_owned(),
+                    Some(ppd_core::Table::from_json(&text, spec).map_err(cfg_err)?),
+                )
+            }
+        }
+        None if wants_table => {
+            let (n, t) = default_table(&cfg.deployment)?;
+            (format!("builtin:{n}"), Some(t))
+        }
+        None => (String::new(), None),
+    };
+    let r = py
+        .detach(|| sim::simulate(&cfg, &prof, table.as_ref()))
+        .map_err(cfg_err)?;
+    let mut v = serde_json::to_value(r).map_err(cfg_err)?;
+    if !table_name.is_empty() {
+        v["table"] = serde_json::Value::String(table_name);
+    }
+    Ok(v.to_string())
+}
+
+/// Names the simulator knows: the paper's workloads, configurations and QPS levels.
+#[pyfunction]
+fn simulator_catalog() -> (Vec<String>, Vec<String>, Vec<f64>) {
+    (
+        sim::paper_workload_names(),
+        sim::paper_configs()
+            .iter()
+            .map(|c| c.0.to_owned())
+            .collect(),
+        sim::PAPER_QPS.to_vec(),
+    )
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(run_emulator, m)?)?;
+    m.add_function(wrap_pyfunction!(start_emulated_cluster, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_layout, m)?)?;
+    m.add_function(wrap_pyfunction!(load_profile, m)?)?;
+    m.add_function(wrap_pyfunction!(simulate, m)?)?;
+    m.add_function(wrap_pyfunction!(simulator_catalog, m)?)?;
+    m.add_class::<EmulatedCluster>()?;
+    Ok(())
+}

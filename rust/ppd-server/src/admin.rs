@@ -1,0 +1,347 @@
+//! The admin API (bearer-token protected JSON): nodes, sessions, table, weights, policy, decision statistics.
+
+use axum::extract::{Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use serde_json::json;
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use ppd_core::{PolicyKind, Weights};
+
+use crate::proxy::openai_error;
+use crate::registry::{Role, Source};
+use crate::state::{load_table, AppState};
+
+pub fn routes() -> Router<Arc<AppState>> {
+    Router::new()
+        .route("/admin/nodes", get(nodes).post(register).delete(deregister))
+        .route("/admin/sessions", get(sessions))
+        .route("/admin/table", get(table))
+        .route("/admin/table/reload", post(reload))
+        .route("/admin/weights", get(weights).put(set_weights))
+        .route("/admin/policy", get(policy).put(set_policy))
+        .route("/admin/stats", get(stats))
+}
+
+/// Refuses without the configured bearer token (and always when none is configured).
+fn authorize(st: &AppState, headers: &HeaderMap) -> Result<(), Response> {
+    let Some(token) = &st.cfg.admin_token else {
+        return Err(openai_error(
+            StatusCode::FORBIDDEN,
+            "the admin API is disabled; start the router with --admin-token",
+            "permission_error",
+            "admin_disabled",
+        ));
+    };
+    let given = headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    if given.map(str::trim) != Some(token.as_str()) {
+        return Err(openai_error(
+            StatusCode::UNAUTHORIZED,
+            "missing or wrong admin bearer token",
+            "authentication_error",
+            "bad_token",
+        ));
+    }
+    Ok(())
+}
+
+fn bad_request(msg: impl Into<String>) -> Response {
+    openai_error(
+        StatusCode::BAD_REQUEST,
+        msg,
+        "invalid_request_error",
+        "invalid_request",
+    )
+}
+
+macro_rules! authorized {
+    ($st:expr, $h:expr) => {
+        if let Err(r) = authorize(&$st, &$h) {
+            return r;
+        }
+    };
+}
+
+pub fn node_list(st: &AppState) -> serde_json::Value {
+    let now = st.now_ms();
+    let nodes: Vec<_> = st
+        .registry
+        .nodes()
+        .iter()
+        .map(|n| {
+            json!({
+                "id": n.id.get(), "url": n.url, "role": n.role.as_str(), "state": n.state(now).as_str(),
+                "source": n.source, "zmq_address": n.zmq, "inflight": n.inflight(),
+                "sessions": st.sessions.count_on(n.id), "served": n.served.load(Ordering::Relaxed),
+                "failed": n.failed.load(Ordering::Relaxed),
+                "last_heartbeat_age_s": now.saturating_sub(n.last_heartbeat_ms()) as f64 / 1000.0,
+            })
+        })
+        .collect();
+    json!({ "nodes": nodes })
+}
+
+async fn nodes(State(st): State<Arc<AppState>>, h: HeaderMap) -> Response {
+    authorized!(st, h);
+    Json(node_list(&st)).into_response()
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RegisterBody {
+    url: String,
+    role: String,
+    #[serde(default)]
+    zmq_address: Option<String>,
+}
+
+async fn register(
+    State(st): State<Arc<AppState>>,
+    h: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    authorized!(st, h);
+    let b: RegisterBody = match serde_json::from_slice(&body) {
+        Ok(b) => b,
+        Err(e) => {
+            return bad_request(format!(
+                "body: {e}; expected {{\"url\", \"role\": P|D|pD|R, \"zmq_address\"?}}"
+            ))
+        }
+    };
+    let Some(role) = Role::parse(&b.role) else {
+        return bad_request(format!("role {:?}: expected P, D, pD or R", b.role));
+    };
+    let spec = match crate::config::parse_node("url", &b.url) {
+        Ok(s) => s,
+        Err(e) => return bad_request(e.to_string()),
+    };
+    let (node, new) = st.registry.upsert(
+        &spec.url,
+        role,
+        b.zmq_address.or(spec.zmq),
+        Source::Admin,
+        st.now_ms(),
+    );
+    let status = if new {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    (
+        status,
+        Json(json!({"id": node.id.get(), "url": node.url, "role": node.role.as_str(), "new": new})),
+    )
+        .into_response()
+}
+
+#[derive(Deserialize)]
+struct UrlQuery {
+    url: String,
+}
+
+async fn deregister(
+    State(st): State<Arc<AppState>>,
+    h: HeaderMap,
+    q: Result<Query<UrlQuery>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    authorized!(st, h);
+    let Ok(Query(q)) = q else {
+        return bad_request("give the node as ?url=...");
+    };
+    let gone = st.registry.remove(q.url.trim_end_matches('/'));
+    if gone.is_empty() {
+        return openai_error(
+            StatusCode::NOT_FOUND,
+            format!("no node {}", q.url),
+            "invalid_request_error",
+            "node_not_found",
+        );
+    }
+    Json(json!({"removed": gone.iter().map(|n| n.url.clone()).collect::<Vec<_>>()})).into_response()
+}
+
+#[derive(Deserialize)]
+struct Page {
+    #[serde(default)]
+    offset: usize,
+    #[serde(default = "default_limit")]
+    limit: usize,
+}
+
+fn default_limit() -> usize {
+    100
+}
+
+async fn sessions(
+    State(st): State<Arc<AppState>>,
+    h: HeaderMap,
+    q: Result<Query<Page>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    authorized!(st, h);
+    let page = match q {
+        Ok(Query(p)) => p,
+        Err(e) => return bad_request(format!("query: {e}")),
+    };
+    let limit = page.limit.min(10_000);
+    let names: BTreeMap<u32, String> = st
+        .registry
+        .nodes()
+        .iter()
+        .map(|n| (n.id.get(), n.url.clone()))
+        .collect();
+    let name =
+        |id: Option<ppd_core::session::NodeId>| id.and_then(|i| names.get(&i.get()).cloned());
+    let items: Vec<_> = st
+        .sessions
+        .page(page.offset, limit)
+        .into_iter()
+        .map(|(id, s)| {
+            json!({"id": id, "turns": s.turns, "p": name(s.p), "d": name(s.d), "context_tokens": s.context_tokens(),
+                   "mean_output_tokens": s.mean_output_tokens(), "created_ms": s.created_ms, "last_access_ms": s.last_access_ms})
+        })
+        .collect();
+    Json(json!({"offset": page.offset, "limit": limit, "total": st.sessions.len(), "sessions": items, "stats": session_stats(&st)})).into_response()
+}
+
+fn session_stats(st: &AppState) -> serde_json::Value {
+    let s = st.sessions.stats();
+    json!({"live": s.live, "created": s.created, "expired": s.expired, "evicted_lru": s.evicted_lru, "removed": s.removed, "reassigned": s.reassigned})
+}
+
+async fn table(State(st): State<Arc<AppState>>, h: HeaderMap) -> Response {
+    authorized!(st, h);
+    let t = st.engine.table();
+    let doc = serde_json::to_value(t.doc()).unwrap_or_default();
+    Json(json!({"source": *st.table_spec.lock(), "table": doc})).into_response()
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReloadBody {
+    #[serde(default)]
+    path: Option<String>,
+}
+
+async fn reload(
+    State(st): State<Arc<AppState>>,
+    h: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    authorized!(st, h);
+    let b: ReloadBody = if body.is_empty() {
+        ReloadBody { path: None }
+    } else {
+        match serde_json::from_slice(&body) {
+            Ok(b) => b,
+            Err(e) => return bad_request(format!("body: {e}; expected {{\"path\"?}}")),
+        }
+    };
+    let spec = b.path.unwrap_or_else(|| st.table_spec.lock().clone());
+    match load_table(&spec) {
+        Ok(t) => {
+            let cells = t.doc().cells.len();
+            st.engine.set_table(t);
+            *st.table_spec.lock() = spec.clone();
+            Json(json!({"reloaded": spec, "cells": cells})).into_response()
+        }
+        // The old table stays in force.
+        Err(e) => openai_error(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            e.to_string(),
+            "invalid_request_error",
+            "bad_table",
+        ),
+    }
+}
+
+async fn weights(State(st): State<Arc<AppState>>, h: HeaderMap) -> Response {
+    authorized!(st, h);
+    let w = st.engine.weights();
+    Json(json!({"w_ttft": w.w_ttft, "w_tpot": w.w_tpot})).into_response()
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WeightsBody {
+    w_ttft: f64,
+    w_tpot: f64,
+}
+
+async fn set_weights(
+    State(st): State<Arc<AppState>>,
+    h: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    authorized!(st, h);
+    let b: WeightsBody = match serde_json::from_slice(&body) {
+        Ok(b) => b,
+        Err(e) => return bad_request(format!("body: {e}; expected {{\"w_ttft\", \"w_tpot\"}}")),
+    };
+    match Weights::new(b.w_ttft, b.w_tpot) {
+        Ok(w) => {
+            st.engine.set_weights(w);
+            Json(json!({"w_ttft": w.w_ttft, "w_tpot": w.w_tpot})).into_response()
+        }
+        Err(e) => bad_request(e.to_string()),
+    }
+}
+
+async fn policy(State(st): State<Arc<AppState>>, h: HeaderMap) -> Response {
+    authorized!(st, h);
+    Json(json!({"policy": st.engine.policy().to_string()})).into_response()
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PolicyBody {
+    policy: String,
+}
+
+async fn set_policy(
+    State(st): State<Arc<AppState>>,
+    h: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    authorized!(st, h);
+    let b: PolicyBody = match serde_json::from_slice(&body) {
+        Ok(b) => b,
+        Err(e) => return bad_request(format!("body: {e}; expected {{\"policy\"}}")),
+    };
+    match PolicyKind::parse(&b.policy) {
+        Ok(p) => {
+            st.engine.set_policy(p);
+            Json(json!({"policy": p.to_string()})).into_response()
+        }
+        Err(e) => bad_request(e.to_string()),
+    }
+}
+
+async fn stats(State(st): State<Arc<AppState>>, h: HeaderMap) -> Response {
+    authorized!(st, h);
+    let mut by_path: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut by_reason: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut by_path_reason = Vec::new();
+    {
+        let s = st.stats.lock();
+        for ((p, r), n) in &s.by_path_reason {
+            *by_path.entry(p.as_str()).or_default() += n;
+            *by_reason.entry(r.as_str()).or_default() += n;
+            by_path_reason.push(json!({"path": p.as_str(), "reason": r.as_str(), "count": n}));
+        }
+    }
+    Json(json!({
+        "by_path": by_path, "by_reason": by_reason, "by_path_reason": by_path_reason,
+        "by_cell": st.cell_counts(), "sessions": session_stats(&st),
+        "qps": st.qps.lock().rate(st.now_ms()),
+    }))
+    .into_response()
+}

@@ -1,0 +1,139 @@
+//! Prometheus metrics of the router (text exposition at `/metrics`).
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    pub path: &'static str,
+    pub reason: &'static str,
+    pub status: u16,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PathLabel {
+    pub path: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NodeStateLabels {
+    pub role: &'static str,
+    pub state: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorLabels {
+    pub role: &'static str,
+    pub kind: &'static str,
+}
+
+pub struct Metrics {
+    pub registry: Registry,
+    pub requests: Family<RequestLabels, Counter>,
+    pub ttft: Family<PathLabel, Histogram>,
+    pub tpot: Family<PathLabel, Histogram>,
+    pub decision: Histogram,
+    pub kv_bytes_moved: Counter,
+    pub kv_bytes_avoided: Counter,
+    pub upstream_errors: Family<ErrorLabels, Counter>,
+    pub retries: Counter,
+    pub sessions: Gauge,
+    pub nodes: Family<NodeStateLabels, Gauge>,
+}
+
+fn latency_histogram() -> Histogram {
+    // 0.5 ms … ~65 s
+    Histogram::new(exponential_buckets(0.0005, 2.0, 18))
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("ppd");
+        let requests = Family::<RequestLabels, Counter>::default();
+        registry.register(
+            "requests",
+            "Requests by path, reason code and HTTP status",
+            requests.clone(),
+        );
+        let ttft = Family::<PathLabel, Histogram>::new_with_constructor(
+            latency_histogram as fn() -> Histogram,
+        );
+        registry.register(
+            "ttft_seconds",
+            "Time to first token seen by the router, per path",
+            ttft.clone(),
+        );
+        let tpot = Family::<PathLabel, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.0005, 2.0, 14))
+        });
+        registry.register(
+            "tpot_seconds",
+            "Time per output token after the first, per path",
+            tpot.clone(),
+        );
+        let decision = Histogram::new(exponential_buckets(1e-7, 2.0, 20));
+        registry.register(
+            "decision_seconds",
+            "Time from request bytes to route (identity, features, policy)",
+            decision.clone(),
+        );
+        let kv_bytes_moved = Counter::default();
+        registry.register(
+            "kv_bytes_moved",
+            "KV bytes sent P to D on the pd path (estimated from prompt tokens)",
+            kv_bytes_moved.clone(),
+        );
+        let kv_bytes_avoided = Counter::default();
+        registry.register(
+            "kv_bytes_avoided",
+            "KV bytes not moved because Turn 2+ ran local (estimated from context tokens)",
+            kv_bytes_avoided.clone(),
+        );
+        let upstream_errors = Family::<ErrorLabels, Counter>::default();
+        registry.register(
+            "upstream_errors",
+            "Upstream failures by node role and kind",
+            upstream_errors.clone(),
+        );
+        let retries = Counter::default();
+        registry.register(
+            "prefill_retries",
+            "Prefills retried on another P after a failure before any byte",
+            retries.clone(),
+        );
+        let sessions = Gauge::default();
+        registry.register("sessions", "Live sessions", sessions.clone());
+        let nodes = Family::<NodeStateLabels, Gauge>::default();
+        registry.register("nodes", "Nodes by role and state", nodes.clone());
+        Metrics {
+            registry,
+            requests,
+            ttft,
+            tpot,
+            decision,
+            kv_bytes_moved,
+            kv_bytes_avoided,
+            upstream_errors,
+            retries,
+            sessions,
+            nodes,
+        }
+    }
+
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}

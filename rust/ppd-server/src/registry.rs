@@ -1,0 +1,337 @@
+//! The node registry: roles, health, load, circuit breakers, heartbeats, and the placement choices made on them.
+
+use arc_swap::ArcSwap;
+use parking_lot::Mutex;
+use serde::Serialize;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use ppd_core::session::NodeId;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub enum Role {
+    /// Prefill only.
+    P,
+    /// Decode only: always receives KV from P (x ≡ 0).
+    D,
+    /// Prefill-capable decode: may append-prefill Turn 2+ locally.
+    #[serde(rename = "pD")]
+    PD,
+    /// Replica: prefill and decode.
+    R,
+}
+
+impl Role {
+    pub fn parse(s: &str) -> Option<Role> {
+        match s {
+            "P" | "p" | "prefill" => Some(Role::P),
+            "D" | "d" | "decode" => Some(Role::D),
+            "pD" | "PD" | "pd" | "pd_capable" => Some(Role::PD),
+            "R" | "r" | "replica" => Some(Role::R),
+            _ => None,
+        }
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::P => "P",
+            Role::D => "D",
+            Role::PD => "pD",
+            Role::R => "R",
+        }
+    }
+    pub fn decodes(self) -> bool {
+        matches!(self, Role::D | Role::PD)
+    }
+}
+
+/// Where a node came from: static ones never expire, registered ones do without heartbeats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Source {
+    Static,
+    Zmq,
+    Admin,
+}
+
+pub struct Node {
+    pub id: NodeId,
+    pub url: String,
+    pub role: Role,
+    pub zmq: Option<String>,
+    pub source: Source,
+    healthy: AtomicBool,
+    pub inflight: AtomicU32,
+    consecutive_failures: AtomicU32,
+    breaker_open_until_ms: AtomicU64,
+    last_heartbeat_ms: AtomicU64,
+    pub sessions: AtomicU32,
+    pub served: AtomicU64,
+    pub failed: AtomicU64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NodeState {
+    Healthy,
+    Unhealthy,
+    BreakerOpen,
+}
+
+impl NodeState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NodeState::Healthy => "healthy",
+            NodeState::Unhealthy => "unhealthy",
+            NodeState::BreakerOpen => "breaker_open",
+        }
+    }
+}
+
+impl Node {
+    pub fn state(&self, now_ms: u64) -> NodeState {
+        if !self.healthy.load(Ordering::Acquire) {
+            NodeState::Unhealthy
+        } else if self.breaker_open_until_ms.load(Ordering::Acquire) > now_ms {
+            NodeState::BreakerOpen
+        } else {
+            NodeState::Healthy
+        }
+    }
+    pub fn available(&self, now_ms: u64) -> bool {
+        self.state(now_ms) == NodeState::Healthy
+    }
+    pub fn set_healthy(&self, ok: bool) {
+        self.healthy.store(ok, Ordering::Release);
+    }
+    pub fn heartbeat(&self, now_ms: u64) {
+        self.last_heartbeat_ms.store(now_ms, Ordering::Release);
+    }
+    pub fn last_heartbeat_ms(&self) -> u64 {
+        self.last_heartbeat_ms.load(Ordering::Acquire)
+    }
+    pub fn inflight(&self) -> u32 {
+        self.inflight.load(Ordering::Acquire)
+    }
+}
+
+/// Holds a node's in-flight count up while a request uses it.
+pub struct InflightGuard(Arc<Node>);
+
+impl InflightGuard {
+    pub fn new(node: Arc<Node>) -> Self {
+        node.inflight.fetch_add(1, Ordering::AcqRel);
+        InflightGuard(node)
+    }
+    pub fn node(&self) -> &Arc<Node> {
+        &self.0
+    }
+}
+
+impl Drop for InflightGuard {
+    fn drop(&mut self) {
+        self.0.inflight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct BreakerConfig {
+    pub failures: u32,
+    pub open_ms: u64,
+}
+
+/// Nodes by id; the list is copy-on-write so placement never takes a lock.
+pub struct Registry {
+    nodes: ArcSwap<Vec<Arc<Node>>>,
+    write: Mutex<()>,
+    next_id: AtomicU32,
+    breaker: BreakerConfig,
+}
+
+impl Registry {
+    pub fn new(breaker: BreakerConfig) -> Self {
+        Registry {
+            nodes: ArcSwap::from_pointee(Vec::new()),
+            write: Mutex::new(()),
+            next_id: AtomicU32::new(1),
+            breaker,
+        }
+    }
+
+    pub fn nodes(&self) -> Arc<Vec<Arc<Node>>> {
+        self.nodes.load_full()
+    }
+
+    /// Adds a node, or refreshes the one with the same URL (a re-registration
+    /// keeps its id, so sessions pointing at it stay valid). Returns it and
+    /// whether it was new.
+    pub fn upsert(
+        &self,
+        url: &str,
+        role: Role,
+        zmq: Option<String>,
+        source: Source,
+        now_ms: u64,
+    ) -> (Arc<Node>, bool) {
+        let _w = self.write.lock();
+        let cur = self.nodes.load_full();
+        if let Some(n) = cur.iter().find(|n| n.url == url && n.role == role) {
+            n.heartbeat(now_ms);
+            return (Arc::clone(n), false);
+        }
+        let raw = self.next_id.fetch_add(1, Ordering::AcqRel);
+        let id = NodeId::new(raw).unwrap_or(NodeId::new(u32::MAX).expect("u32::MAX is non-zero"));
+        let node = Arc::new(Node {
+            id,
+            url: url.to_owned(),
+            role,
+            zmq,
+            source,
+            healthy: AtomicBool::new(true),
+            inflight: AtomicU32::new(0),
+            consecutive_failures: AtomicU32::new(0),
+            breaker_open_until_ms: AtomicU64::new(0),
+            last_heartbeat_ms: AtomicU64::new(now_ms),
+            sessions: AtomicU32::new(0),
+            served: AtomicU64::new(0),
+            failed: AtomicU64::new(0),
+        });
+        let mut next = (*cur).clone();
+        next.push(Arc::clone(&node));
+        self.nodes.store(Arc::new(next));
+        (node, true)
+    }
+
+    /// Removes the node(s) with this URL; returns what was removed.
+    pub fn remove(&self, url: &str) -> Vec<Arc<Node>> {
+        let _w = self.write.lock();
+        let cur = self.nodes.load_full();
+        let (gone, kept): (Vec<_>, Vec<_>) = cur.iter().cloned().partition(|n| n.url == url);
+        if !gone.is_empty() {
+            self.nodes.store(Arc::new(kept));
+        }
+        gone
+    }
+
+    /// Removes registered (non-static) nodes silent for longer than `timeout_ms`.
+    pub fn expire(&self, now_ms: u64, timeout_ms: u64) -> Vec<Arc<Node>> {
+        let _w = self.write.lock();
+        let cur = self.nodes.load_full();
+        let (gone, kept): (Vec<_>, Vec<_>) = cur.iter().cloned().partition(|n| {
+            n.source != Source::Static && now_ms.saturating_sub(n.last_heartbeat_ms()) > timeout_ms
+        });
+        if !gone.is_empty() {
+            self.nodes.store(Arc::new(kept));
+        }
+        gone
+    }
+
+    pub fn get(&self, id: NodeId) -> Option<Arc<Node>> {
+        self.nodes.load().iter().find(|n| n.id == id).cloned()
+    }
+
+    pub fn count(&self, pred: impl Fn(&Node) -> bool) -> usize {
+        self.nodes.load().iter().filter(|n| pred(n)).count()
+    }
+
+    /// The available node of the roles with the fewest requests in flight
+    /// (then the fewest sessions, then the lowest id), skipping `exclude`.
+    pub fn least_loaded(
+        &self,
+        roles: &[Role],
+        exclude: &[NodeId],
+        now_ms: u64,
+    ) -> Option<Arc<Node>> {
+        self.nodes
+            .load()
+            .iter()
+            .filter(|n| roles.contains(&n.role) && !exclude.contains(&n.id) && n.available(now_ms))
+            .min_by_key(|n| (n.inflight(), n.sessions.load(Ordering::Relaxed), n.id))
+            .cloned()
+    }
+
+    pub fn record_success(&self, node: &Node) {
+        node.consecutive_failures.store(0, Ordering::Release);
+        node.served.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a failure; enough in a row open the breaker for a while.
+    pub fn record_failure(&self, node: &Node, now_ms: u64) {
+        node.failed.fetch_add(1, Ordering::Relaxed);
+        let n = node.consecutive_failures.fetch_add(1, Ordering::AcqRel) + 1;
+        if n >= self.breaker.failures {
+            node.breaker_open_until_ms
+                .store(now_ms + self.breaker.open_ms, Ordering::Release);
+            // Half-open after the pause: the next failure re-opens at once.
+            node.consecutive_failures
+                .store(self.breaker.failures.saturating_sub(1), Ordering::Release);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reg() -> Registry {
+        Registry::new(BreakerConfig {
+            failures: 2,
+            open_ms: 1000,
+        })
+    }
+
+    #[test]
+    fn least_loaded_prefers_fewest_inflight_then_sessions() {
+        let r = reg();
+        let (a, _) = r.upsert("http://a", Role::P, None, Source::Static, 0);
+        let (b, _) = r.upsert("http://b", Role::P, None, Source::Static, 0);
+        let _g = InflightGuard::new(Arc::clone(&a));
+        assert_eq!(r.least_loaded(&[Role::P], &[], 0).unwrap().id, b.id);
+        drop(_g);
+        b.sessions.store(3, Ordering::Relaxed);
+        assert_eq!(r.least_loaded(&[Role::P], &[], 0).unwrap().id, a.id);
+        assert_eq!(r.least_loaded(&[Role::P], &[a.id], 0).unwrap().id, b.id);
+        assert!(r.least_loaded(&[Role::R], &[], 0).is_none());
+    }
+
+    #[test]
+    fn breaker_opens_after_consecutive_failures_and_closes_after_its_pause() {
+        let r = reg();
+        let (a, _) = r.upsert("http://a", Role::PD, None, Source::Static, 0);
+        r.record_failure(&a, 10);
+        assert!(a.available(10));
+        r.record_failure(&a, 20);
+        assert_eq!(a.state(500), NodeState::BreakerOpen);
+        assert!(a.available(1021));
+        // Half-open: one more failure re-opens.
+        r.record_failure(&a, 1100);
+        assert_eq!(a.state(1200), NodeState::BreakerOpen);
+        r.record_success(&a);
+        assert_eq!(a.consecutive_failures.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn reregistration_keeps_the_id_and_heartbeats_expire_only_registered_nodes() {
+        let r = reg();
+        let (a, new) = r.upsert("http://a", Role::D, None, Source::Zmq, 0);
+        assert!(new);
+        let (a2, new2) = r.upsert("http://a", Role::D, None, Source::Zmq, 5_000);
+        assert!(!new2);
+        assert_eq!(a.id, a2.id);
+        r.upsert("http://s", Role::P, None, Source::Static, 0);
+        let gone = r.expire(40_000, 30_000);
+        assert_eq!(gone.len(), 1);
+        assert_eq!(gone[0].url, "http://a");
+        assert_eq!(r.nodes().len(), 1);
+        assert!(r.get(a.id).is_none());
+    }
+
+    #[test]
+    fn unhealthy_nodes_are_not_placed() {
+        let r = reg();
+        let (a, _) = r.upsert("http://a", Role::R, None, Source::Static, 0);
+        a.set_healthy(false);
+        assert!(r.least_loaded(&[Role::R], &[], 0).is_none());
+        a.set_healthy(true);
+        assert!(r.least_loaded(&[Role::R], &[], 0).is_some());
+    }
+}

@@ -1,0 +1,310 @@
+//! Assembles the HTTP service, starts the background planes (health checks, heartbeat expiry, session sweep) and runs until shutdown.
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::config::RouterConfig;
+use crate::metrics::NodeStateLabels;
+use crate::proxy::{completions, openai_error, Endpoint};
+use crate::registry::{NodeState, Role};
+use crate::state::{default_table_for, AppState};
+use crate::ServerError;
+
+pub fn app(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(complete))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .merge(crate::admin::routes())
+        .fallback(not_found)
+        .with_state(state)
+}
+
+async fn chat(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    completions(st, Endpoint::Chat, headers, body).await
+}
+
+async fn complete(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    completions(st, Endpoint::Completions, headers, body).await
+}
+
+async fn not_found() -> Response {
+    openai_error(
+        StatusCode::NOT_FOUND,
+        "no such endpoint",
+        "invalid_request_error",
+        "not_found",
+    )
+}
+
+async fn models(State(st): State<Arc<AppState>>) -> Response {
+    let data = st.models.load_full();
+    Json(serde_json::json!({"object": "list", "data": *data})).into_response()
+}
+
+/// Healthy when some node can decode (a D, pD or R is available).
+async fn health(State(st): State<Arc<AppState>>) -> Response {
+    let now = st.now_ms();
+    let ok = st
+        .registry
+        .nodes()
+        .iter()
+        .any(|n| n.role != Role::P && n.available(now));
+    if ok {
+        (StatusCode::OK, "ok").into_response()
+    } else {
+        openai_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no healthy decode or replica node",
+            "service_unavailable",
+            "no_eligible_node",
+        )
+    }
+}
+
+async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+    st.metrics.sessions.set(st.sessions.len() as i64);
+    let now = st.now_ms();
+    for role in [Role::P, Role::D, Role::PD, Role::R] {
+        for state in [
+            NodeState::Healthy,
+            NodeState::Unhealthy,
+            NodeState::BreakerOpen,
+        ] {
+            let n = st
+                .registry
+                .count(|x| x.role == role && x.state(now) == state);
+            st.metrics
+                .nodes
+                .get_or_create(&NodeStateLabels {
+                    role: role.as_str(),
+                    state: state.as_str(),
+                })
+                .set(n as i64);
+        }
+    }
+    (
+        [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
+        st.metrics.encode(),
+    )
+        .into_response()
+}
+
+/// One round of active health checks; the first healthy answer of
+/// `/v1/models` per node feeds the router's model list.
+pub async fn check_health(st: &AppState) {
+    let nodes = st.registry.nodes();
+    let checks = nodes.iter().map(|n| async move {
+        let ok = matches!(
+            tokio::time::timeout(Duration::from_secs(2), st.client.get(format!("{}/health", n.url)).send()).await,
+            Ok(Ok(r)) if r.status().is_success()
+        );
+        n.set_healthy(ok);
+        if ok && n.role != Role::P {
+            if let Ok(Ok(r)) = tokio::time::timeout(Duration::from_secs(2), st.client.get(format!("{}/v1/models", n.url)).send()).await {
+                if let Ok(v) = r.json::<serde_json::Value>().await {
+                    return v.get("data").and_then(|d| d.as_array()).cloned().unwrap_or_default();
+                }
+            }
+        }
+        Vec::new()
+    });
+    let mut seen = std::collections::BTreeMap::new();
+    for list in futures_util::future::join_all(checks).await {
+        for m in list {
+            if let Some(id) = m.get("id").and_then(|i| i.as_str()) {
+                seen.entry(id.to_owned()).or_insert(m);
+            }
+        }
+    }
+    if !seen.is_empty() {
+        st.models.store(Arc::new(seen.into_values().collect()));
+    }
+}
+
+async fn background(st: Arc<AppState>) {
+    let interval = Duration::from_secs_f64(st.cfg.health_interval);
+    let heartbeat_ms = (st.cfg.heartbeat_timeout * 1000.0) as u64;
+    let mut tick = tokio::time::interval(interval);
+    loop {
+        tick.tick().await;
+        check_health(&st).await;
+        let now = st.now_ms();
+        for gone in st.registry.expire(now, heartbeat_ms) {
+            tracing::warn!(node = %gone.url, "no heartbeat: node removed");
+        }
+        st.sessions.evict_expired(now);
+    }
+}
+
+/// Resolves the emulated layout (if any) into node URLs and the table to use.
+async fn prepare(
+    mut cfg: RouterConfig,
+) -> Result<(RouterConfig, Option<ppd_emulator::Cluster>), ServerError> {
+    let Some(layout) = cfg.emulated.clone() else {
+        return Ok((cfg, None));
+    };
+    let roles = ppd_emulator::parse_layout(&layout)
+        .map_err(|e| ServerError::Config(format!("invalid setting `emulated`: {e}")))?;
+    let mut base = ppd_emulator::NodeConfig::new(ppd_emulator::Role::D);
+    if let Some(p) = &cfg.emulator_profile {
+        base.profile = ppd_emulator::load_profile(p)
+            .map_err(|e| ServerError::Config(format!("invalid setting `emulator_profile`: {e}")))?;
+    }
+    let cluster = ppd_emulator::start_cluster(&roles, &base)
+        .await
+        .map_err(|e| ServerError::Config(format!("emulated cluster: {e}")))?;
+    for n in &cluster.nodes {
+        let list = match n.role {
+            ppd_emulator::LayoutRole::P => &mut cfg.prefill,
+            ppd_emulator::LayoutRole::D => &mut cfg.decode,
+            ppd_emulator::LayoutRole::PD => &mut cfg.pd_capable,
+            ppd_emulator::LayoutRole::R => &mut cfg.replica,
+        };
+        list.push(n.url.clone());
+    }
+    // The layout is now a set of static nodes.
+    cfg.emulated = None;
+    Ok((cfg, Some(cluster)))
+}
+
+/// Runs the router on `listener` until `shutdown` resolves.
+pub async fn run(
+    cfg: RouterConfig,
+    listener: tokio::net::TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    ready: Option<tokio::sync::oneshot::Sender<Arc<AppState>>>,
+) -> Result<(), ServerError> {
+    cfg.validate()
+        .map_err(|e| ServerError::Config(e.to_string()))?;
+    let (cfg, cluster) = prepare(cfg).await?;
+    let v = cfg
+        .validate()
+        .map_err(|e| ServerError::Config(e.to_string()))?;
+    let table = cfg
+        .table
+        .clone()
+        .unwrap_or_else(|| default_table_for(v.prefill.len(), v.decode.len() + v.pd_capable.len()));
+    let state = AppState::build(cfg, &v, table)?;
+    check_health(&state).await;
+    let bg = tokio::spawn(background(Arc::clone(&state)));
+    if let Some(tx) = ready {
+        let _ = tx.send(Arc::clone(&state));
+    }
+    let served = axum::serve(listener, app(state))
+        .with_graceful_shutdown(shutdown)
+        .await;
+    bg.abort();
+    if let Some(c) = cluster {
+        c.shutdown().await;
+    }
+    served.map_err(ServerError::Io)
+}
+
+pub async fn bind(host: &str, port: u16) -> Result<tokio::net::TcpListener, ServerError> {
+    let addr = format!("{host}:{port}");
+    tokio::net::TcpListener::bind(&addr)
+        .await
+        .map_err(|e| ServerError::Config(format!("cannot listen on {addr}: {e}")))
+}
+
+/// A router on a runtime thread of its own (for embedding and the Python API).
+pub struct RouterHandle {
+    pub addr: SocketAddr,
+    pub state: Arc<AppState>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<Result<(), ServerError>>>,
+}
+
+impl RouterHandle {
+    /// Starts and returns once the router accepts connections.
+    pub fn start(cfg: RouterConfig) -> Result<RouterHandle, ServerError> {
+        cfg.validate()
+            .map_err(|e| ServerError::Config(e.to_string()))?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .map_err(ServerError::Io)?;
+        let listener = rt.block_on(bind(&cfg.host, cfg.port))?;
+        let addr = listener.local_addr().map_err(ServerError::Io)?;
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+        let thread = std::thread::Builder::new()
+            .name("ppd-router".into())
+            .spawn(move || {
+                rt.block_on(run(
+                    cfg,
+                    listener,
+                    async move {
+                        let _ = stop_rx.await;
+                    },
+                    Some(ready_tx),
+                ))
+            })
+            .map_err(ServerError::Io)?;
+        match ready_rx.blocking_recv() {
+            Ok(state) => Ok(RouterHandle {
+                addr,
+                state,
+                stop: Some(stop_tx),
+                thread: Some(thread),
+            }),
+            Err(_) => {
+                // The runtime ended before it was ready: report its error.
+                let err = thread
+                    .join()
+                    .map_err(|_| ServerError::Config("router thread panicked".into()))?;
+                Err(err.err().unwrap_or_else(|| {
+                    ServerError::Config("router stopped during start-up".into())
+                }))
+            }
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Stops accepting, lets open streams finish, and joins the thread.
+    pub fn stop(&mut self) -> Result<(), ServerError> {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        match self.thread.take() {
+            Some(t) => t
+                .join()
+                .map_err(|_| ServerError::Config("router thread panicked".into()))?,
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for RouterHandle {
+    fn drop(&mut self) {
+        let _ = self.stop();
+    }
+}
+
+/// Runs in the foreground until SIGINT or SIGTERM.
+pub fn serve_blocking(cfg: RouterConfig) -> Result<(), ServerError> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(ServerError::Io)?;
+    rt.block_on(async move {
+        let listener = bind(&cfg.host, cfg.port).await?;
+        let addr = listener.local_addr().map_err(ServerError::Io)?;
+        eprintln!("ppd-router listening on http://{addr}");
+        run(cfg, listener, ppd_emulator::shutdown_signal(), None).await
+    })
+}
