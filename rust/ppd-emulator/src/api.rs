@@ -2,6 +2,9 @@
 //! completions (JSON and SSE), models, health, metrics, the NIXL side channel
 //! (`/internal/kv/pull`) and the fault-injection admin endpoint.
 
+// Parsing helpers return the ready error Response; it is built once per bad request.
+#![allow(clippy::result_large_err)]
+
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -50,7 +53,10 @@ pub struct AppState {
 }
 
 fn unix_now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 impl AppState {
@@ -60,7 +66,10 @@ impl AppState {
         Arc::new(AppState {
             role: cfg.role,
             model: cfg.served_model_name.clone(),
-            engine_id: cfg.engine_id.clone().unwrap_or_else(|| format!("emu-{}-{port}", cfg.role.as_str())),
+            engine_id: cfg
+                .engine_id
+                .clone()
+                .unwrap_or_else(|| format!("emu-{}-{port}", cfg.role.as_str())),
             advertise_host: cfg.advertise_host.clone(),
             port,
             max_model_len: profile.max_model_len,
@@ -135,7 +144,9 @@ impl AppState {
             return None;
         }
         let tag = u32::from_str_radix(&hex[..8], 16).ok()?;
-        (tag == self.node_tag).then(|| u64::from_str_radix(&hex[8..], 16).ok()).flatten()
+        (tag == self.node_tag)
+            .then(|| u64::from_str_radix(&hex[8..], 16).ok())
+            .flatten()
     }
 }
 
@@ -202,9 +213,22 @@ async fn metrics_text(State(s): State<Arc<AppState>>) -> Response {
     let lag = s.engine.lag();
     let text = match s.metrics.lock() {
         Ok(m) => metrics::render(&s.model, s.role.as_str(), &m, &snap, &lag),
-        Err(_) => return error(StatusCode::INTERNAL_SERVER_ERROR, "metrics lock poisoned", None),
+        Err(_) => {
+            return error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "metrics lock poisoned",
+                None,
+            )
+        }
     };
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
 }
 
 async fn get_faults(State(s): State<Arc<AppState>>) -> Response {
@@ -239,7 +263,11 @@ async fn kv_pull(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
         return bad("remote_request_id (string) is required");
     };
     let Some(id) = s.parse_request_name(name) else {
-        return error(StatusCode::NOT_FOUND, format!("no KV held for request {name:?} on this engine"), Some("remote_request_id"));
+        return error(
+            StatusCode::NOT_FOUND,
+            format!("no KV held for request {name:?} on this engine"),
+            Some("remote_request_id"),
+        );
     };
     match s.engine.take_hold(id).await {
         Some(h) => axum::Json(json!({"remote_request_id": name, "num_tokens": h.tokens, "num_blocks": h.blocks.len(), "engine_id": s.engine_id})).into_response(),
@@ -282,13 +310,18 @@ fn parse_u32(v: &Value, field: &str) -> Result<Option<u32>, Response> {
 
 fn parse_body(s: &AppState, ep: Endpoint, text: &str) -> Result<Parsed, Response> {
     let view = parse_request(text).map_err(|e| bad(e.to_string()))?;
-    let v: Value = serde_json::from_str(text).map_err(|e| bad(format!("invalid JSON body: {e}")))?;
+    let v: Value =
+        serde_json::from_str(text).map_err(|e| bad(format!("invalid JSON body: {e}")))?;
     if !v.is_object() {
         return Err(bad("request body must be a JSON object"));
     }
     if let Some(m) = view.model.as_deref() {
         if m != s.model {
-            return Err(error(StatusCode::NOT_FOUND, format!("The model `{m}` does not exist."), Some("model")));
+            return Err(error(
+                StatusCode::NOT_FOUND,
+                format!("The model `{m}` does not exist."),
+                Some("model"),
+            ));
         }
     }
     match v.get("n") {
@@ -305,9 +338,13 @@ fn parse_body(s: &AppState, ep: Endpoint, text: &str) -> Result<Parsed, Response
         None | Some(Value::Null) => false,
         Some(o) if o.is_object() => {
             if !stream {
-                return Err(bad("Stream options can only be defined when `stream=True`."));
+                return Err(bad(
+                    "Stream options can only be defined when `stream=True`.",
+                ));
             }
-            o.get("include_usage").and_then(Value::as_bool).unwrap_or(false)
+            o.get("include_usage")
+                .and_then(Value::as_bool)
+                .unwrap_or(false)
         }
         Some(x) => return Err(bad(format!("stream_options must be an object, got {x}"))),
     };
@@ -321,7 +358,11 @@ fn parse_body(s: &AppState, ep: Endpoint, text: &str) -> Result<Parsed, Response
     let kv = match v.get("kv_transfer_params") {
         None | Some(Value::Null) => Value::Null,
         Some(o) if o.is_object() => o.clone(),
-        Some(x) => return Err(bad(format!("kv_transfer_params must be an object, got {x}"))),
+        Some(x) => {
+            return Err(bad(format!(
+                "kv_transfer_params must be an object, got {x}"
+            )))
+        }
     };
     let prompt = match ep {
         Endpoint::Chat => {
@@ -348,14 +389,22 @@ fn parse_body(s: &AppState, ep: Endpoint, text: &str) -> Result<Parsed, Response
             match PromptText::parse(raw).map_err(|e| bad(e.to_string()))? {
                 PromptText::Text(t) => render_prompt(&t),
                 // Token-id prompts keep their ids (tagged apart from word hashes).
-                PromptText::TokenIds(ids) => ids.into_iter().map(|i| (1u64 << 62) | i as u64).collect(),
+                PromptText::TokenIds(ids) => {
+                    ids.into_iter().map(|i| (1u64 << 62) | i as u64).collect()
+                }
             }
         }
     };
     if prompt.is_empty() {
         return Err(bad("prompt must not be empty"));
     }
-    Ok(Parsed { prompt, max_tokens, stream, include_usage, kv })
+    Ok(Parsed {
+        prompt,
+        max_tokens,
+        stream,
+        include_usage,
+        kv,
+    })
 }
 
 /// Where the KV of a `do_remote_prefill` request lives.
@@ -370,7 +419,10 @@ fn remote_of(kv: &Value) -> Result<Option<Remote>, Response> {
         return Ok(None);
     }
     let host = kv.get("remote_host").and_then(Value::as_str);
-    let port = kv.get("remote_port").and_then(|p| p.as_u64().or_else(|| p.as_str().and_then(|s| s.parse().ok())));
+    let port = kv.get("remote_port").and_then(|p| {
+        p.as_u64()
+            .or_else(|| p.as_str().and_then(|s| s.parse().ok()))
+    });
     let rid = kv.get("remote_request_id").and_then(Value::as_str);
     match (host, port, rid) {
         (Some(h), Some(p), Some(r)) if p > 0 && p <= u16::MAX as u64 => {
@@ -382,7 +434,13 @@ fn remote_of(kv: &Value) -> Result<Option<Remote>, Response> {
 
 async fn pull(s: &AppState, r: &Remote) -> bool {
     let url = format!("http://{}:{}/internal/kv/pull", r.host, r.port);
-    match s.client.post(&url).json(&json!({"remote_request_id": r.request_id})).send().await {
+    match s
+        .client
+        .post(&url)
+        .json(&json!({"remote_request_id": r.request_id}))
+        .send()
+        .await
+    {
         Ok(resp) => resp.status().is_success(),
         Err(_) => false,
     }
@@ -422,11 +480,19 @@ async fn generate(s: Arc<AppState>, ep: Endpoint, body: Bytes) -> Response {
     }
     if faults.hang {
         s.wait_shutdown().await;
-        return error(StatusCode::SERVICE_UNAVAILABLE, "node is shutting down", None);
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "node is shutting down",
+            None,
+        );
     }
     if faults.error_rate > 0.0 && s.uniform() < faults.error_rate {
         s.with_metrics(|m| m.injected_errors += 1);
-        return error(StatusCode::INTERNAL_SERVER_ERROR, "injected fault: error_rate", None);
+        return error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "injected fault: error_rate",
+            None,
+        );
     }
     let mut kind = if p.kv.get("do_remote_decode").and_then(Value::as_bool) == Some(true) {
         Kind::RemoteDecode
@@ -455,11 +521,28 @@ async fn generate(s: Arc<AppState>, ep: Endpoint, body: Bytes) -> Response {
         s.gen.push_ids(key, n_out, &mut ids);
     }
     let id = s.next_id.fetch_add(1, Ordering::Relaxed);
-    let name = s.request_name(if ep == Endpoint::Chat { "chatcmpl" } else { "cmpl" }, id);
-    let submit = Submit { id, content: Content::Explicit(ids.into()), prompt_len, max_tokens: n_out, kind };
+    let name = s.request_name(
+        if ep == Endpoint::Chat {
+            "chatcmpl"
+        } else {
+            "cmpl"
+        },
+        id,
+    );
+    let submit = Submit {
+        id,
+        content: Content::Explicit(ids.into()),
+        prompt_len,
+        max_tokens: n_out,
+        kind,
+    };
     tokio::time::sleep(s.request_overhead).await;
     let rx = s.engine.submit(submit);
-    let guard = AbortGuard { engine: s.engine.clone(), id, armed: true };
+    let guard = AbortGuard {
+        engine: s.engine.clone(),
+        id,
+        armed: true,
+    };
     let ctx = Ctx {
         s: Arc::clone(&s),
         ep,
@@ -541,7 +624,11 @@ impl Ctx {
     }
 
     fn chunk(&self, choice: Value, usage: Option<Value>) -> String {
-        let object = if self.ep == Endpoint::Chat { "chat.completion.chunk" } else { "text_completion" };
+        let object = if self.ep == Endpoint::Chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        };
         let mut v = json!({"id": self.name, "object": object, "created": unix_now(), "model": self.s.model, "choices": choice});
         if let Some(u) = usage {
             v["usage"] = u;
@@ -551,7 +638,9 @@ impl Ctx {
 
     fn token_choice(&self, piece: &str) -> Value {
         match self.ep {
-            Endpoint::Chat => json!([{"index": 0, "delta": {"content": piece}, "logprobs": null, "finish_reason": null}]),
+            Endpoint::Chat => {
+                json!([{"index": 0, "delta": {"content": piece}, "logprobs": null, "finish_reason": null}])
+            }
             Endpoint::Completion => {
                 json!([{"index": 0, "text": piece, "logprobs": null, "finish_reason": null, "stop_reason": null}])
             }
@@ -559,7 +648,11 @@ impl Ctx {
     }
 }
 
-async fn json_response(ctx: Ctx, mut rx: mpsc::UnboundedReceiver<Out>, mut guard: AbortGuard) -> Response {
+async fn json_response(
+    ctx: Ctx,
+    mut rx: mpsc::UnboundedReceiver<Out>,
+    mut guard: AbortGuard,
+) -> Response {
     let mut text = String::new();
     let mut ttft = None;
     let mut last = Instant::now();
@@ -580,7 +673,11 @@ async fn json_response(ctx: Ctx, mut rx: mpsc::UnboundedReceiver<Out>, mut guard
                 guard.armed = false;
                 return bad(e.to_string());
             }
-            Some(Out::Finished { usage, finish, held_blocks }) => {
+            Some(Out::Finished {
+                usage,
+                finish,
+                held_blocks,
+            }) => {
                 guard.armed = false;
                 let fr = ctx.finish_str(finish);
                 ctx.record(ttft, &itl, fr);
@@ -596,7 +693,11 @@ async fn json_response(ctx: Ctx, mut rx: mpsc::UnboundedReceiver<Out>, mut guard
                         "stop_reason": null, "prompt_logprobs": null
                     }),
                 };
-                let object = if ctx.ep == Endpoint::Chat { "chat.completion" } else { "text_completion" };
+                let object = if ctx.ep == Endpoint::Chat {
+                    "chat.completion"
+                } else {
+                    "text_completion"
+                };
                 let mut body = json!({
                     "id": ctx.name, "object": object, "created": unix_now(), "model": ctx.s.model,
                     "choices": [choice], "usage": ctx.usage(&usage),
@@ -626,7 +727,11 @@ struct StreamState {
     done: bool,
 }
 
-async fn stream_response(ctx: Ctx, mut rx: mpsc::UnboundedReceiver<Out>, mut guard: AbortGuard) -> Response {
+async fn stream_response(
+    ctx: Ctx,
+    mut rx: mpsc::UnboundedReceiver<Out>,
+    mut guard: AbortGuard,
+) -> Response {
     // Refusals arrive before any token: answer them as JSON errors, like vLLM.
     let first = rx.recv().await;
     let first = match first {
@@ -640,7 +745,15 @@ async fn stream_response(ctx: Ctx, mut rx: mpsc::UnboundedReceiver<Out>, mut gua
         }
         Some(o) => o,
     };
-    let st = StreamState { ctx, rx, guard, last: Instant::now(), ttft: None, itl: Vec::new(), done: false };
+    let st = StreamState {
+        ctx,
+        rx,
+        guard,
+        last: Instant::now(),
+        ttft: None,
+        itl: Vec::new(),
+        done: false,
+    };
     let stream = futures_util::stream::unfold((st, Some(first)), |(mut st, pending)| async move {
         if st.done {
             return None;
@@ -657,7 +770,10 @@ async fn stream_response(ctx: Ctx, mut rx: mpsc::UnboundedReceiver<Out>, mut gua
                     st.done = true;
                     st.guard.armed = false;
                     if buf.is_empty() {
-                        return Some((Err(std::io::Error::other("engine stopped mid-stream")), (st, None)));
+                        return Some((
+                            Err(std::io::Error::other("engine stopped mid-stream")),
+                            (st, None),
+                        ));
                     }
                     break;
                 }
@@ -689,8 +805,12 @@ async fn stream_response(ctx: Ctx, mut rx: mpsc::UnboundedReceiver<Out>, mut gua
                     let fr = st.ctx.finish_str(finish);
                     st.ctx.record(st.ttft, &st.itl, fr);
                     let tail = match st.ctx.ep {
-                        Endpoint::Chat => json!([{"index": 0, "delta": {}, "logprobs": null, "finish_reason": fr, "stop_reason": null}]),
-                        Endpoint::Completion => json!([{"index": 0, "text": "", "logprobs": null, "finish_reason": fr, "stop_reason": null}]),
+                        Endpoint::Chat => {
+                            json!([{"index": 0, "delta": {}, "logprobs": null, "finish_reason": fr, "stop_reason": null}])
+                        }
+                        Endpoint::Completion => {
+                            json!([{"index": 0, "text": "", "logprobs": null, "finish_reason": fr, "stop_reason": null}])
+                        }
                     };
                     buf.push_str(&st.ctx.chunk(tail, None));
                     if st.ctx.include_usage {
@@ -714,7 +834,11 @@ async fn stream_response(ctx: Ctx, mut rx: mpsc::UnboundedReceiver<Out>, mut gua
         Some((Ok::<Bytes, std::io::Error>(Bytes::from(buf)), (st, None)))
     });
     let mut resp = Response::new(Body::from_stream(stream));
-    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream; charset=utf-8"));
-    resp.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream; charset=utf-8"),
+    );
+    resp.headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     resp
 }

@@ -16,15 +16,27 @@ use tokio::sync::{mpsc, oneshot};
 #[derive(Debug)]
 pub enum Out {
     Rejected(SubmitError),
-    Token { index: u32 },
+    Token {
+        index: u32,
+    },
     /// `held_blocks`: the block ids P keeps for a D to pull (empty unless RemoteDecode).
-    Finished { usage: Usage, finish: Finish, held_blocks: Vec<u32> },
+    Finished {
+        usage: Usage,
+        finish: Finish,
+        held_blocks: Vec<u32>,
+    },
 }
 
 pub enum Cmd {
-    Submit { req: Submit, sink: mpsc::UnboundedSender<Out> },
+    Submit {
+        req: Submit,
+        sink: mpsc::UnboundedSender<Out>,
+    },
     Abort(u64),
-    TakeHold { id: u64, reply: oneshot::Sender<Option<Hold>> },
+    TakeHold {
+        id: u64,
+        reply: oneshot::Sender<Option<Hold>>,
+    },
 }
 
 /// How late events reach handlers relative to the model's time.
@@ -120,7 +132,13 @@ async fn run(mut engine: Engine, mut rx: mpsc::UnboundedReceiver<Cmd>, shared: A
             }
         }
         if !ev.is_empty() {
-            dispatch(&mut engine, &mut ev, &mut sinks, &mut lag, vnow(Instant::now()));
+            dispatch(
+                &mut engine,
+                &mut ev,
+                &mut sinks,
+                &mut lag,
+                vnow(Instant::now()),
+            );
         }
         if let Ok(mut s) = shared.snapshot.lock() {
             *s = engine.snapshot();
@@ -138,33 +156,49 @@ fn dispatch(
     lag: &mut Lag,
     wall: f64,
 ) {
-        for e in ev.drain(..) {
-            let (id, t, out) = match e {
-                Event::Token { id, index, t } => (id, t, Some(Out::Token { index })),
-                Event::Finished { id, t, finish, usage } => {
-                let held_blocks = engine.holds(id).map(|h| h.blocks.clone()).unwrap_or_default();
-                (id, t, Some(Out::Finished { usage, finish, held_blocks }))
+    for e in ev.drain(..) {
+        let (id, t, out) = match e {
+            Event::Token { id, index, t } => (id, t, Some(Out::Token { index })),
+            Event::Finished {
+                id,
+                t,
+                finish,
+                usage,
+            } => {
+                let held_blocks = engine
+                    .holds(id)
+                    .map(|h| h.blocks.clone())
+                    .unwrap_or_default();
+                (
+                    id,
+                    t,
+                    Some(Out::Finished {
+                        usage,
+                        finish,
+                        held_blocks,
+                    }),
+                )
             }
-                Event::TransferDone { id, t } | Event::LeaseExpired { id, t } => (id, t, None),
-            };
-            let late = (wall - t).max(0.0);
-            lag.events += 1;
-            lag.sum_ms += late;
-            lag.max_ms = lag.max_ms.max(late);
-            let Some(out) = out else { continue };
-            let done = matches!(out, Out::Finished { .. });
-            if let Some(s) = sinks.get(&id) {
-                if s.send(out).is_err() {
-                    // The handler is gone: stop computing for it.
-                    sinks.remove(&id);
-                    engine.abort(engine.now(), id, &mut Vec::new());
-                    continue;
-                }
-            }
-            if done {
+            Event::TransferDone { id, t } | Event::LeaseExpired { id, t } => (id, t, None),
+        };
+        let late = (wall - t).max(0.0);
+        lag.events += 1;
+        lag.sum_ms += late;
+        lag.max_ms = lag.max_ms.max(late);
+        let Some(out) = out else { continue };
+        let done = matches!(out, Out::Finished { .. });
+        if let Some(s) = sinks.get(&id) {
+            if s.send(out).is_err() {
+                // The handler is gone: stop computing for it.
                 sinks.remove(&id);
+                engine.abort(engine.now(), id, &mut Vec::new());
+                continue;
             }
         }
+        if done {
+            sinks.remove(&id);
+        }
+    }
 }
 
 async fn sleep_until(at: Option<Instant>) {

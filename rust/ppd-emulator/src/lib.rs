@@ -16,8 +16,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 pub use layout::{node_role, parse_layout, LayoutRole};
-pub use profile::{load_profile, DEFAULT_PROFILE, DEFAULT_PROFILE_NAME};
 pub use ppd_core::emu::Profile;
+pub use profile::{load_profile, DEFAULT_PROFILE, DEFAULT_PROFILE_NAME};
 
 /// What a node does with the KV connector. Every role also serves plain
 /// requests locally with its prefix cache (a D that does is a "pD").
@@ -37,7 +37,9 @@ impl Role {
             "P" | "p" | "prefill" => Ok(Role::P),
             "D" | "d" | "pD" | "pd" | "decode" => Ok(Role::D),
             "R" | "r" | "replica" => Ok(Role::R),
-            other => Err(Error::Config(format!("unknown role {other:?}; expected P, D, pD or R"))),
+            other => Err(Error::Config(format!(
+                "unknown role {other:?}; expected P, D, pD or R"
+            ))),
         }
     }
     pub fn as_str(self) -> &'static str {
@@ -66,10 +68,16 @@ pub struct Faults {
 impl Faults {
     pub fn validate(&self) -> Result<(), Error> {
         if !self.latency_ms.is_finite() || self.latency_ms < 0.0 {
-            return Err(Error::Config(format!("latency_ms must be ≥ 0, got {}", self.latency_ms)));
+            return Err(Error::Config(format!(
+                "latency_ms must be ≥ 0, got {}",
+                self.latency_ms
+            )));
         }
         if !(0.0..=1.0).contains(&self.error_rate) {
-            return Err(Error::Config(format!("error_rate must be in [0, 1], got {}", self.error_rate)));
+            return Err(Error::Config(format!(
+                "error_rate must be in [0, 1], got {}",
+                self.error_rate
+            )));
         }
         Ok(())
     }
@@ -131,7 +139,10 @@ impl NodeConfig {
         if let Some(n) = self.kv_blocks {
             p.kv_blocks = n;
         }
-        p.validate().map_err(|e| Error::Config(e.to_string()))?;
+        p.validate().map_err(|e| match e {
+            ppd_core::Error::Config(m) => Error::Config(m),
+            other => Error::Config(other.to_string()),
+        })?;
         self.faults.validate()?;
         if self.served_model_name.trim().is_empty() {
             return Err(Error::Config("served model name must not be empty".into()));
@@ -268,7 +279,11 @@ pub async fn start_cluster(roles: &[LayoutRole], base: &NodeConfig) -> Result<Cl
             }
         };
         tasks.push(tokio::spawn(serve(cfg, listener, stop_fut)));
-        nodes.push(NodeInfo { role, addr, url: format!("http://{addr}") });
+        nodes.push(NodeInfo {
+            role,
+            addr,
+            url: format!("http://{addr}"),
+        });
     }
     Ok(Cluster { nodes, stop, tasks })
 }
@@ -297,7 +312,11 @@ impl ClusterThread {
                     cluster.shutdown().await;
                 });
             })?;
-        Ok(ClusterThread { nodes, stop: Some(tx), thread: Some(thread) })
+        Ok(ClusterThread {
+            nodes,
+            stop: Some(tx),
+            thread: Some(thread),
+        })
     }
 
     pub fn urls(&self) -> Vec<String> {

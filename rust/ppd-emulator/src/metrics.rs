@@ -29,7 +29,12 @@ pub struct Histogram {
 
 impl Histogram {
     fn new(bounds: &'static [f64]) -> Histogram {
-        Histogram { bounds, counts: vec![0; bounds.len()], sum: 0.0, count: 0 }
+        Histogram {
+            bounds,
+            counts: vec![0; bounds.len()],
+            sum: 0.0,
+            count: 0,
+        }
     }
     pub fn observe(&mut self, v: f64) {
         if let Some(i) = self.bounds.iter().position(|&b| v <= b) {
@@ -80,46 +85,186 @@ impl Default for Metrics {
 }
 
 fn gauge(out: &mut String, name: &str, help: &str, labels: &str, v: f64) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{{labels}}} {v}");
+    let _ = writeln!(
+        out,
+        "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{{labels}}} {v}"
+    );
 }
 
 fn counter(out: &mut String, name: &str, help: &str, labels: &str, v: f64) {
-    let _ = writeln!(out, "# HELP {name}_total {help}\n# TYPE {name}_total counter\n{name}_total{{{labels}}} {v}");
+    let _ = writeln!(
+        out,
+        "# HELP {name}_total {help}\n# TYPE {name}_total counter\n{name}_total{{{labels}}} {v}"
+    );
 }
 
 pub fn render(model: &str, role: &str, m: &Metrics, s: &Snapshot, lag: &Lag) -> String {
     let labels = format!("engine=\"0\",model_name=\"{}\"", model.replace('"', "'"));
     let l = labels.as_str();
     let mut o = String::with_capacity(8192);
-    gauge(&mut o, "vllm:num_requests_running", "Number of requests in model execution batches.", l, s.running as f64);
-    gauge(&mut o, "vllm:num_requests_waiting", "Number of requests waiting to be processed.", l, (s.waiting + s.waiting_remote) as f64);
-    gauge(&mut o, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", l, s.kv_usage);
-    counter(&mut o, "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", l, s.pool.queries as f64);
-    counter(&mut o, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", l, s.pool.hits as f64);
+    gauge(
+        &mut o,
+        "vllm:num_requests_running",
+        "Number of requests in model execution batches.",
+        l,
+        s.running as f64,
+    );
+    gauge(
+        &mut o,
+        "vllm:num_requests_waiting",
+        "Number of requests waiting to be processed.",
+        l,
+        (s.waiting + s.waiting_remote) as f64,
+    );
+    gauge(
+        &mut o,
+        "vllm:kv_cache_usage_perc",
+        "KV-cache usage. 1 means 100 percent usage.",
+        l,
+        s.kv_usage,
+    );
+    counter(
+        &mut o,
+        "vllm:prefix_cache_queries",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        l,
+        s.pool.queries as f64,
+    );
+    counter(
+        &mut o,
+        "vllm:prefix_cache_hits",
+        "Prefix cache hits, in terms of number of cached tokens.",
+        l,
+        s.pool.hits as f64,
+    );
     counter(&mut o, "vllm:external_prefix_cache_queries", "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.", l, s.stats.external_queries as f64);
     counter(&mut o, "vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.", l, s.stats.external_hits as f64);
-    counter(&mut o, "vllm:num_preemptions", "Cumulative number of preemption from the engine.", l, s.stats.preemptions as f64);
-    counter(&mut o, "vllm:prompt_tokens", "Number of prefill tokens processed.", l, s.stats.prompt_tokens as f64);
-    counter(&mut o, "vllm:generation_tokens", "Number of generation tokens processed.", l, s.stats.generation_tokens as f64);
+    counter(
+        &mut o,
+        "vllm:num_preemptions",
+        "Cumulative number of preemption from the engine.",
+        l,
+        s.stats.preemptions as f64,
+    );
+    counter(
+        &mut o,
+        "vllm:prompt_tokens",
+        "Number of prefill tokens processed.",
+        l,
+        s.stats.prompt_tokens as f64,
+    );
+    counter(
+        &mut o,
+        "vllm:generation_tokens",
+        "Number of generation tokens processed.",
+        l,
+        s.stats.generation_tokens as f64,
+    );
     let _ = writeln!(o, "# HELP vllm:request_success_total Count of successfully processed requests.\n# TYPE vllm:request_success_total counter");
-    for (reason, v) in [("length", m.success_length), ("stop", m.success_stop), ("abort", m.success_abort)] {
-        let _ = writeln!(o, "vllm:request_success_total{{{l},finished_reason=\"{reason}\"}} {v}");
+    for (reason, v) in [
+        ("length", m.success_length),
+        ("stop", m.success_stop),
+        ("abort", m.success_abort),
+    ] {
+        let _ = writeln!(
+            o,
+            "vllm:request_success_total{{{l},finished_reason=\"{reason}\"}} {v}"
+        );
     }
-    m.ttft.render(&mut o, "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", l);
-    m.itl.render(&mut o, "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", l);
-    m.e2e.render(&mut o, "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", l);
+    m.ttft.render(
+        &mut o,
+        "vllm:time_to_first_token_seconds",
+        "Histogram of time to first token in seconds.",
+        l,
+    );
+    m.itl.render(
+        &mut o,
+        "vllm:inter_token_latency_seconds",
+        "Histogram of inter-token latency in seconds.",
+        l,
+    );
+    m.e2e.render(
+        &mut o,
+        "vllm:e2e_request_latency_seconds",
+        "Histogram of e2e request latency in seconds.",
+        l,
+    );
     // Emulator-only series (not in vLLM), named apart so no dashboard confuses them.
     let el = format!("{l},role=\"{role}\"");
-    gauge(&mut o, "emulator:kv_held_requests", "Finished prefills whose KV waits to be pulled.", &el, s.held as f64);
-    counter(&mut o, "emulator:kv_transfers", "KV pulls over the link model.", &el, s.stats.transfers as f64);
-    counter(&mut o, "emulator:kv_transfer_bytes", "Bytes moved over the link model.", &el, s.stats.transfer_bytes as f64);
-    counter(&mut o, "emulator:kv_pull_failures", "Pulls that found no KV at P (recomputed locally).", &el, m.kv_pull_failures as f64);
-    counter(&mut o, "emulator:kv_leases_expired", "Held KV freed unpulled after the lease.", &el, s.stats.leases_expired as f64);
-    counter(&mut o, "emulator:injected_errors", "Requests failed by fault injection.", &el, m.injected_errors as f64);
-    counter(&mut o, "emulator:engine_busy_seconds", "Modelled GPU busy time.", &el, s.stats.busy_ms / 1000.0);
-    counter(&mut o, "emulator:engine_steps", "Engine steps run.", &el, s.stats.steps as f64);
-    gauge(&mut o, "emulator:event_lag_max_seconds", "Largest delay of an event behind model time.", &el, lag.max_ms / 1000.0);
-    let mean = if lag.events == 0 { 0.0 } else { lag.sum_ms / lag.events as f64 };
-    gauge(&mut o, "emulator:event_lag_mean_seconds", "Mean delay of events behind model time.", &el, mean / 1000.0);
+    gauge(
+        &mut o,
+        "emulator:kv_held_requests",
+        "Finished prefills whose KV waits to be pulled.",
+        &el,
+        s.held as f64,
+    );
+    counter(
+        &mut o,
+        "emulator:kv_transfers",
+        "KV pulls over the link model.",
+        &el,
+        s.stats.transfers as f64,
+    );
+    counter(
+        &mut o,
+        "emulator:kv_transfer_bytes",
+        "Bytes moved over the link model.",
+        &el,
+        s.stats.transfer_bytes as f64,
+    );
+    counter(
+        &mut o,
+        "emulator:kv_pull_failures",
+        "Pulls that found no KV at P (recomputed locally).",
+        &el,
+        m.kv_pull_failures as f64,
+    );
+    counter(
+        &mut o,
+        "emulator:kv_leases_expired",
+        "Held KV freed unpulled after the lease.",
+        &el,
+        s.stats.leases_expired as f64,
+    );
+    counter(
+        &mut o,
+        "emulator:injected_errors",
+        "Requests failed by fault injection.",
+        &el,
+        m.injected_errors as f64,
+    );
+    counter(
+        &mut o,
+        "emulator:engine_busy_seconds",
+        "Modelled GPU busy time.",
+        &el,
+        s.stats.busy_ms / 1000.0,
+    );
+    counter(
+        &mut o,
+        "emulator:engine_steps",
+        "Engine steps run.",
+        &el,
+        s.stats.steps as f64,
+    );
+    gauge(
+        &mut o,
+        "emulator:event_lag_max_seconds",
+        "Largest delay of an event behind model time.",
+        &el,
+        lag.max_ms / 1000.0,
+    );
+    let mean = if lag.events == 0 {
+        0.0
+    } else {
+        lag.sum_ms / lag.events as f64
+    };
+    gauge(
+        &mut o,
+        "emulator:event_lag_mean_seconds",
+        "Mean delay of events behind model time.",
+        &el,
+        mean / 1000.0,
+    );
     o
 }

@@ -17,7 +17,8 @@ pub(crate) fn default_profile() -> Profile {
 fn parse(text: &str, origin: &str) -> Result<Profile, Error> {
     let p: Profile =
         toml::from_str(text).map_err(|e| Error::Config(format!("profile {origin}: {e}")))?;
-    p.validate().map_err(|e| Error::Config(format!("profile {origin}: {e}")))?;
+    p.validate()
+        .map_err(|e| Error::Config(format!("profile {origin}: {e}")))?;
     Ok(p)
 }
 
@@ -52,7 +53,9 @@ mod tests {
 
     #[test]
     fn a_missing_file_is_a_clear_error() {
-        let e = load_profile("/nonexistent/profile.toml").unwrap_err().to_string();
+        let e = load_profile("/nonexistent/profile.toml")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("not a readable file"), "{e}");
     }
 

@@ -12,11 +12,16 @@ async fn cluster(layout: &str, seed: u64) -> Cluster {
     base.profile.step.overhead_ms = 0.5;
     base.profile.api.request_overhead_ms = 0.0;
     base.profile.link.latency_ms = 1.0;
-    start_cluster(&parse_layout(layout).unwrap(), &base).await.unwrap()
+    start_cluster(&parse_layout(layout).unwrap(), &base)
+        .await
+        .unwrap()
 }
 
 fn client() -> reqwest::Client {
-    reqwest::Client::builder().timeout(std::time::Duration::from_secs(20)).build().unwrap()
+    reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(20))
+        .build()
+        .unwrap()
 }
 
 async fn post(url: &str, body: &Value) -> (u16, Value) {
@@ -28,12 +33,20 @@ async fn post(url: &str, body: &Value) -> (u16, Value) {
 async fn post_sse(url: &str, body: &Value) -> (u16, String, Vec<String>) {
     let r = client().post(url).json(body).send().await.unwrap();
     let status = r.status().as_u16();
-    let ctype = r.headers().get("content-type").map(|v| v.to_str().unwrap().to_owned()).unwrap_or_default();
+    let ctype = r
+        .headers()
+        .get("content-type")
+        .map(|v| v.to_str().unwrap().to_owned())
+        .unwrap_or_default();
     let text = r.text().await.unwrap();
     let events = text
         .split("\n\n")
         .filter(|e| !e.trim().is_empty())
-        .map(|e| e.strip_prefix("data: ").expect("every SSE event is a data line").to_owned())
+        .map(|e| {
+            e.strip_prefix("data: ")
+                .expect("every SSE event is a data line")
+                .to_owned()
+        })
         .collect();
     (status, ctype, events)
 }
@@ -44,15 +57,28 @@ fn chat(messages: Value, max_tokens: u32) -> Value {
 
 /// The router's token estimate for a chat prompt (ppd-core's template constants).
 fn estimate(messages: &[(&str, &str)]) -> u64 {
-    1 + messages.iter().map(|(_, c)| 4 + ppd_core::tokens::word_rule_count(c) as u64).sum::<u64>() + 3
+    1 + messages
+        .iter()
+        .map(|(_, c)| 4 + ppd_core::tokens::word_rule_count(c) as u64)
+        .sum::<u64>()
+        + 3
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_completion_json_has_vllms_shape_and_exact_token_counts() {
     let c = cluster("1R", 1).await;
     let url = format!("{}/v1/chat/completions", c.nodes[0].url);
-    let msgs = [("system", "You are terse."), ("user", "Hello, how are caches used here?")];
-    let body = chat(json!(msgs.iter().map(|(r, t)| json!({"role": r, "content": t})).collect::<Vec<_>>()), 12);
+    let msgs = [
+        ("system", "You are terse."),
+        ("user", "Hello, how are caches used here?"),
+    ];
+    let body = chat(
+        json!(msgs
+            .iter()
+            .map(|(r, t)| json!({"role": r, "content": t}))
+            .collect::<Vec<_>>()),
+        12,
+    );
     let (status, v) = post(&url, &body).await;
     assert_eq!(status, 200, "{v}");
     assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"));
@@ -65,7 +91,10 @@ async fn chat_completion_json_has_vllms_shape_and_exact_token_counts() {
     assert_eq!(ch["finish_reason"], "length");
     let content = ch["message"]["content"].as_str().unwrap();
     assert_eq!(ppd_core::tokens::word_rule_count(content), 12);
-    assert!(!content.contains("  ") && !content.starts_with(' '), "single-space joined words: {content:?}");
+    assert!(
+        !content.contains("  ") && !content.starts_with(' '),
+        "single-space joined words: {content:?}"
+    );
     let u = &v["usage"];
     assert_eq!(u["prompt_tokens"].as_u64().unwrap(), estimate(&msgs));
     assert_eq!(u["completion_tokens"], 12);
@@ -87,7 +116,10 @@ async fn streaming_sends_role_then_tokens_then_finish_usage_and_done() {
     assert_eq!(status, 200);
     assert!(ctype.starts_with("text/event-stream"), "{ctype}");
     assert_eq!(events.last().unwrap(), "[DONE]");
-    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
     for ch in &chunks {
         assert_eq!(ch["object"], "chat.completion.chunk");
         assert_eq!(ch["id"], chunks[0]["id"]);
@@ -95,11 +127,26 @@ async fn streaming_sends_role_then_tokens_then_finish_usage_and_done() {
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     let text: String = chunks
         .iter()
-        .filter_map(|c| c["choices"].get(0).and_then(|x| x["delta"]["content"].as_str()).map(str::to_owned))
+        .filter_map(|c| {
+            c["choices"]
+                .get(0)
+                .and_then(|x| x["delta"]["content"].as_str())
+                .map(str::to_owned)
+        })
         .collect();
     // Same prompt and seed: the stream carries exactly the non-streamed text.
-    assert_eq!(text, plain["choices"][0]["message"]["content"].as_str().unwrap());
-    let fin: Vec<&Value> = chunks.iter().filter(|c| c["choices"].get(0).is_some_and(|x| !x["finish_reason"].is_null())).collect();
+    assert_eq!(
+        text,
+        plain["choices"][0]["message"]["content"].as_str().unwrap()
+    );
+    let fin: Vec<&Value> = chunks
+        .iter()
+        .filter(|c| {
+            c["choices"]
+                .get(0)
+                .is_some_and(|x| !x["finish_reason"].is_null())
+        })
+        .collect();
     assert_eq!(fin.len(), 1);
     assert_eq!(fin[0]["choices"][0]["finish_reason"], "length");
     let last = chunks.last().unwrap();
@@ -116,27 +163,64 @@ async fn streaming_sends_role_then_tokens_then_finish_usage_and_done() {
 async fn completions_models_health_and_metrics_follow_vllm() {
     let c = cluster("1R", 3).await;
     let base = &c.nodes[0].url;
-    let (s, v) = post(&format!("{base}/v1/completions"), &json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 5})).await;
+    let (s, v) = post(
+        &format!("{base}/v1/completions"),
+        &json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 5}),
+    )
+    .await;
     assert_eq!(s, 200, "{v}");
     assert_eq!(v["object"], "text_completion");
     assert!(v["id"].as_str().unwrap().starts_with("cmpl-"));
-    assert_eq!(ppd_core::tokens::word_rule_count(v["choices"][0]["text"].as_str().unwrap()), 5);
+    assert_eq!(
+        ppd_core::tokens::word_rule_count(v["choices"][0]["text"].as_str().unwrap()),
+        5
+    );
     assert_eq!(v["usage"]["prompt_tokens"], 1 + 4);
-    let (_, _, ev) = post_sse(&format!("{base}/v1/completions"), &json!({"model": MODEL, "prompt": "x y", "max_tokens": 3, "stream": true})).await;
+    let (_, _, ev) = post_sse(
+        &format!("{base}/v1/completions"),
+        &json!({"model": MODEL, "prompt": "x y", "max_tokens": 3, "stream": true}),
+    )
+    .await;
     assert_eq!(ev.last().unwrap(), "[DONE]");
     let first: Value = serde_json::from_str(&ev[0]).unwrap();
     assert_eq!(first["object"], "text_completion");
     assert!(first["choices"][0]["text"].is_string());
     // Without max_tokens the answer ends naturally with `stop`.
-    let (_, v) = post(&format!("{base}/v1/completions"), &json!({"prompt": "no limit"})).await;
+    let (_, v) = post(
+        &format!("{base}/v1/completions"),
+        &json!({"prompt": "no limit"}),
+    )
+    .await;
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
 
-    let m: Value = client().get(format!("{base}/v1/models")).send().await.unwrap().json().await.unwrap();
+    let m: Value = client()
+        .get(format!("{base}/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(m["object"], "list");
     assert_eq!(m["data"][0]["id"], MODEL);
     assert_eq!(m["data"][0]["owned_by"], "vllm");
-    assert_eq!(client().get(format!("{base}/health")).send().await.unwrap().status(), 200);
-    let text = client().get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+    assert_eq!(
+        client()
+            .get(format!("{base}/health"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let text = client()
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     for name in [
         "vllm:num_requests_running{",
         "vllm:num_requests_waiting{",
@@ -163,32 +247,71 @@ async fn completions_models_health_and_metrics_follow_vllm() {
 async fn bad_input_gets_vllm_like_errors() {
     let c = cluster("1R", 4).await;
     let url = format!("{}/v1/chat/completions", c.nodes[0].url);
-    let raw = client().post(&url).header("content-type", "application/json").body("{not json").send().await.unwrap();
+    let raw = client()
+        .post(&url)
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(raw.status(), 400);
     let v: Value = raw.json().await.unwrap();
     assert_eq!(v["error"]["type"], "BadRequestError");
     assert_eq!(v["error"]["code"], 400);
     let cases = [
         (json!({"messages": []}), 400),
-        (json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}), 400),
-        (json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": -3}), 400),
-        (json!({"messages": [{"role": "user", "content": "x"}], "n": 2}), 400),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}),
+            400,
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": -3}),
+            400,
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "n": 2}),
+            400,
+        ),
         (json!({"messages": [{"role": "user", "content": 5}]}), 400),
-        (json!({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}), 400),
-        (json!({"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": true}}), 400),
-        (json!({"messages": [{"role": "user", "content": "x"}], "kv_transfer_params": {"do_remote_prefill": true}}), 400),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}),
+            400,
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": true}}),
+            400,
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "kv_transfer_params": {"do_remote_prefill": true}}),
+            400,
+        ),
         (json!({"prompt": "x"}), 400),
-        (json!({"model": "other-model", "messages": [{"role": "user", "content": "x"}]}), 404),
-        (json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 200_000}), 400),
+        (
+            json!({"model": "other-model", "messages": [{"role": "user", "content": "x"}]}),
+            404,
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 200_000}),
+            400,
+        ),
     ];
     for (body, want) in cases {
         let (s, v) = post(&url, &body).await;
         assert_eq!(s, want, "{body} -> {v}");
         assert_eq!(v["error"]["code"], want, "{v}");
-        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()));
+        assert!(v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()));
     }
-    let (_, v) = post(&url, &json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 200_000})).await;
-    assert!(v["error"]["message"].as_str().unwrap().contains("maximum context length"));
+    let (_, v) = post(
+        &url,
+        &json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 200_000}),
+    )
+    .await;
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("maximum context length"));
     let (s, _) = post(&format!("{}/v1/nothing", c.nodes[0].url), &json!({})).await;
     assert_eq!(s, 404);
     c.shutdown().await;
@@ -200,16 +323,31 @@ async fn the_next_turn_hits_the_prefix_cache_on_the_same_node() {
     let url = format!("{}/v1/chat/completions", c.nodes[0].url);
     let q1 = "Explain prefix caching in a few words, please, with an example.";
     let (_, v1) = post(&url, &chat(json!([{"role": "user", "content": q1}]), 40)).await;
-    let a1 = v1["choices"][0]["message"]["content"].as_str().unwrap().to_owned();
+    let a1 = v1["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_owned();
     let p1 = v1["usage"]["prompt_tokens"].as_u64().unwrap();
     let msgs = json!([{"role": "user", "content": q1}, {"role": "assistant", "content": a1}, {"role": "user", "content": "And then?"}]);
     let (_, v2) = post(&url, &chat(msgs, 5)).await;
-    let cached = v2["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    let cached = v2["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
     // Turn 1's prompt and answer, to the last full 16-token block whose KV exists.
     let expect = (p1 + 40 - 1) / 16 * 16;
     assert_eq!(cached, expect, "turn 2 reuses turn 1's KV");
-    let metrics = client().get(format!("{}/metrics", c.nodes[0].url)).send().await.unwrap().text().await.unwrap();
-    let hits = metrics.lines().find(|l| l.starts_with("vllm:prefix_cache_hits_total")).unwrap();
+    let metrics = client()
+        .get(format!("{}/metrics", c.nodes[0].url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let hits = metrics
+        .lines()
+        .find(|l| l.starts_with("vllm:prefix_cache_hits_total"))
+        .unwrap();
     assert!(hits.ends_with(&format!(" {expect}")), "{hits}");
     c.shutdown().await;
 }
@@ -230,14 +368,35 @@ async fn nixl_exchange_moves_kv_from_p_to_d_end_to_end() {
     assert_eq!(kv["do_remote_prefill"], true);
     assert_eq!(kv["do_remote_decode"], false);
     assert_eq!(kv["remote_host"], "127.0.0.1");
-    assert_eq!(kv["remote_port"].as_u64().unwrap(), c.nodes[0].addr.port() as u64);
-    assert!(kv["remote_engine_id"].as_str().unwrap().starts_with("emu-P"));
+    assert_eq!(
+        kv["remote_port"].as_u64().unwrap(),
+        c.nodes[0].addr.port() as u64
+    );
+    assert!(kv["remote_engine_id"]
+        .as_str()
+        .unwrap()
+        .starts_with("emu-P"));
     assert_eq!(kv["remote_request_id"], pv["id"]);
     assert_eq!(kv["tp_size"], 1);
     let prompt = pv["usage"]["prompt_tokens"].as_u64().unwrap();
-    assert_eq!(kv["remote_block_ids"].as_array().unwrap().len() as u64, prompt.div_ceil(16));
-    let held = |m: &str| m.lines().find(|l| l.starts_with("emulator:kv_held_requests")).unwrap().ends_with(" 1");
-    let pm = client().get(format!("{p}/metrics")).send().await.unwrap().text().await.unwrap();
+    assert_eq!(
+        kv["remote_block_ids"].as_array().unwrap().len() as u64,
+        prompt.div_ceil(16)
+    );
+    let held = |m: &str| {
+        m.lines()
+            .find(|l| l.starts_with("emulator:kv_held_requests"))
+            .unwrap()
+            .ends_with(" 1")
+    };
+    let pm = client()
+        .get(format!("{p}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     assert!(held(&pm), "P holds the KV until it is pulled");
 
     let mut to_d = original.clone();
@@ -245,11 +404,37 @@ async fn nixl_exchange_moves_kv_from_p_to_d_end_to_end() {
     let (s, dv) = post(&format!("{d}/v1/chat/completions"), &to_d).await;
     assert_eq!(s, 200, "{dv}");
     assert_eq!(dv["usage"]["completion_tokens"], 20);
-    assert_eq!(dv["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(), prompt - 1, "all but the last prompt token came from P");
-    let dm = client().get(format!("{d}/metrics")).send().await.unwrap().text().await.unwrap();
-    assert!(dm.lines().any(|l| l.starts_with("vllm:external_prefix_cache_hits_total") && l.ends_with(&format!(" {}", prompt - 1))));
-    assert!(dm.lines().any(|l| l.starts_with("emulator:kv_transfer_bytes_total") && l.ends_with(&format!(" {}", (prompt - 1) * 131_072))));
-    let pm = client().get(format!("{p}/metrics")).send().await.unwrap().text().await.unwrap();
+    assert_eq!(
+        dv["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap(),
+        prompt - 1,
+        "all but the last prompt token came from P"
+    );
+    let dm = client()
+        .get(format!("{d}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(dm
+        .lines()
+        .any(|l| l.starts_with("vllm:external_prefix_cache_hits_total")
+            && l.ends_with(&format!(" {}", prompt - 1))));
+    assert!(dm
+        .lines()
+        .any(|l| l.starts_with("emulator:kv_transfer_bytes_total")
+            && l.ends_with(&format!(" {}", (prompt - 1) * 131_072))));
+    let pm = client()
+        .get(format!("{p}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     assert!(!held(&pm), "the pull released P's blocks");
 
     // Replaying the same params: nothing left at P, so D recomputes (vLLM's recompute policy).
@@ -257,9 +442,24 @@ async fn nixl_exchange_moves_kv_from_p_to_d_end_to_end() {
     again["messages"][0]["content"] = json!(format!("{long} more"));
     let (s, rv) = post(&format!("{d}/v1/chat/completions"), &again).await;
     assert_eq!(s, 200);
-    assert!(rv["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() >= (prompt - 1) / 16 * 16, "D's prefix cache kept the pulled KV");
-    let dm = client().get(format!("{d}/metrics")).send().await.unwrap().text().await.unwrap();
-    assert!(dm.lines().any(|l| l.starts_with("emulator:kv_pull_failures_total") && l.ends_with(" 1")));
+    assert!(
+        rv["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            >= (prompt - 1) / 16 * 16,
+        "D's prefix cache kept the pulled KV"
+    );
+    let dm = client()
+        .get(format!("{d}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(dm
+        .lines()
+        .any(|l| l.starts_with("emulator:kv_pull_failures_total") && l.ends_with(" 1")));
     c.shutdown().await;
 }
 
@@ -268,7 +468,12 @@ async fn the_seed_fixes_generated_text_across_nodes() {
     let a = cluster("2R", 9).await;
     let b = cluster("1R", 9).await;
     let body = chat(json!([{"role": "user", "content": "same question"}]), 15);
-    let text = |v: Value| v["choices"][0]["message"]["content"].as_str().unwrap().to_owned();
+    let text = |v: Value| {
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
     let (_, x) = post(&format!("{}/v1/chat/completions", a.nodes[0].url), &body).await;
     let (_, y) = post(&format!("{}/v1/chat/completions", b.nodes[0].url), &body).await;
     let (_, z) = post(&format!("{}/v1/chat/completions", a.nodes[1].url), &body).await;
@@ -291,14 +496,26 @@ async fn injected_faults_error_hang_and_crash() {
     let (s, _) = post(&format!("{base}/admin/faults"), &json!({"error_rate": 2.0})).await;
     assert_eq!(s, 400, "out-of-range faults are refused");
     post(&format!("{base}/admin/faults"), &json!({"hang": true})).await;
-    let quick = reqwest::Client::builder().timeout(std::time::Duration::from_millis(300)).build().unwrap();
-    assert!(quick.post(&url).json(&body).send().await.unwrap_err().is_timeout());
+    let quick = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_millis(300))
+        .build()
+        .unwrap();
+    assert!(quick
+        .post(&url)
+        .json(&body)
+        .send()
+        .await
+        .unwrap_err()
+        .is_timeout());
     post(&format!("{base}/admin/faults"), &json!({"latency_ms": 0.0})).await;
     let (s, _) = post(&url, &body).await;
     assert_eq!(s, 200, "clearing faults restores service");
     post(&format!("{base}/admin/faults"), &json!({"crash": true})).await;
     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     let r = client().get(format!("{base}/health")).send().await;
-    assert!(r.is_err() || r.unwrap().status() != 200, "a crashed node is not healthy");
+    assert!(
+        r.is_err() || r.unwrap().status() != 200,
+        "a crashed node is not healthy"
+    );
     c.shutdown().await;
 }

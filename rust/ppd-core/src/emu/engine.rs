@@ -24,7 +24,11 @@ pub enum Content {
     /// Like `Synthetic`, but blocks from `stable_blocks` on are salted: a client
     /// whose re-rendered history differs from what was generated (so the last
     /// answer misses the cache) is modelled with a salt per turn.
-    SyntheticSalted { key: u64, stable_blocks: u32, salt: u64 },
+    SyntheticSalted {
+        key: u64,
+        stable_blocks: u32,
+        salt: u64,
+    },
 }
 
 /// SplitMix64 finaliser: a cheap, well-mixed 64-bit hash.
@@ -41,8 +45,16 @@ impl Content {
     fn block_hash(&self, j: usize, parent: u64, block_size: usize) -> u64 {
         match self {
             Content::Synthetic(key) => mix64(key ^ mix64(j as u64 + 1)),
-            Content::SyntheticSalted { key, stable_blocks, salt } => {
-                let k = if (j as u32) < *stable_blocks { *key } else { key ^ mix64(*salt) };
+            Content::SyntheticSalted {
+                key,
+                stable_blocks,
+                salt,
+            } => {
+                let k = if (j as u32) < *stable_blocks {
+                    *key
+                } else {
+                    key ^ mix64(*salt)
+                };
                 mix64(k ^ mix64(j as u64 + 1))
             }
             Content::Explicit(toks) => {

@@ -126,7 +126,10 @@ fn yes() -> bool {
 
 impl Default for Harness {
     fn default() -> Self {
-        Harness { max_conversations: 0, answer_prefix_hit: true }
+        Harness {
+            max_conversations: 0,
+            answer_prefix_hit: true,
+        }
     }
 }
 

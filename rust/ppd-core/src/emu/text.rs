@@ -2,7 +2,7 @@
 //!
 //! A chat prompt renders as Llama-3's template does, token for token:
 //! `<|begin_of_text|>`, then per message `<|start_header_id|> role <|end_header_id|>`
-//! + content + `<|eot_id|>`, then the assistant header. Generated text is words
+//! and content and `<|eot_id|>`, then the assistant header. Generated text is words
 //! that are one token each, joined by single spaces, so turn N's prompt plus
 //! its answer is a token prefix of turn N+1's prompt and the prefix cache hits.
 

@@ -32,7 +32,11 @@ impl LayoutRole {
 
 /// Parses a layout into its node roles, in the order written.
 pub fn parse_layout(s: &str) -> Result<Vec<LayoutRole>, Error> {
-    let bad = |why: &str| Error::Config(format!("layout {s:?}: {why}; expected e.g. 2P2pD, 1P_1D_2pD, 4R, 1R_1P_2D"));
+    let bad = |why: &str| {
+        Error::Config(format!(
+            "layout {s:?}: {why}; expected e.g. 2P2pD, 1P_1D_2pD, 4R, 1R_1P_2D"
+        ))
+    };
     let b = s.trim().as_bytes();
     let mut i = 0;
     let mut out = Vec::new();

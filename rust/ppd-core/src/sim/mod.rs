@@ -160,9 +160,20 @@ struct Conv {
 enum Ext {
     Arrive(u32),
     Send(u32),
-    Submit { node: usize, conv: u32, stage: Stage, req: Submit },
-    Release { node: usize, id: u64 },
-    Timeout { conv: u32, turn: u32 },
+    Submit {
+        node: usize,
+        conv: u32,
+        stage: Stage,
+        req: Submit,
+    },
+    Release {
+        node: usize,
+        id: u64,
+    },
+    Timeout {
+        conv: u32,
+        turn: u32,
+    },
 }
 
 #[derive(Default)]
@@ -266,7 +277,17 @@ impl<'a> Sim<'a> {
         self.p.api.router_hop_ms
     }
 
-    fn submit_at(&mut self, t: f64, node: usize, conv: u32, stage: Stage, prompt: u32, out: u32, kind: Kind) {
+    #[allow(clippy::too_many_arguments)]
+    fn submit_at(
+        &mut self,
+        t: f64,
+        node: usize,
+        conv: u32,
+        stage: Stage,
+        prompt: u32,
+        out: u32,
+        kind: Kind,
+    ) {
         self.next_id += 1;
         let c = &self.convs[conv as usize];
         let content = if self.p.harness.answer_prefix_hit {
@@ -286,7 +307,15 @@ impl<'a> Sim<'a> {
             kind,
         };
         let at = t + self.p.api.request_overhead_ms;
-        self.push(at, Ext::Submit { node, conv, stage, req });
+        self.push(
+            at,
+            Ext::Submit {
+                node,
+                conv,
+                stage,
+                req,
+            },
+        );
     }
 
     /// The client sends the conversation's next turn at `t`; the router decides.
@@ -350,7 +379,15 @@ impl<'a> Sim<'a> {
                     _ => Self::pick(&self.ds, &mut self.rr_d),
                 };
                 self.convs[conv as usize].d = Some(d);
-                self.submit_at(t, p, conv, Stage::Prefill { d }, prompt, 1, Kind::RemoteDecode);
+                self.submit_at(
+                    t,
+                    p,
+                    conv,
+                    Stage::Prefill { d },
+                    prompt,
+                    1,
+                    Kind::RemoteDecode,
+                );
             }
         }
         Ok(())
@@ -388,7 +425,12 @@ impl<'a> Sim<'a> {
                 }
             }
             Ext::Send(conv) => self.send(t, conv)?,
-            Ext::Submit { node, conv, stage, req } => {
+            Ext::Submit {
+                node,
+                conv,
+                stage,
+                req,
+            } => {
                 let c = &self.convs[conv as usize];
                 if c.done {
                     return Ok(());
@@ -400,7 +442,10 @@ impl<'a> Sim<'a> {
                 let r = self.nodes[node].submit(t, req, &mut ev);
                 if let Err(e) = r {
                     self.ev = ev;
-                    return Err(Error::Config(format!("workload {}: {e}", self.cfg.workload)));
+                    return Err(Error::Config(format!(
+                        "workload {}: {e}",
+                        self.cfg.workload
+                    )));
                 }
                 self.handle_events(node, &mut ev)?;
                 self.ev = ev;
@@ -454,8 +499,15 @@ impl<'a> Sim<'a> {
                         }
                     }
                 }
-                Event::Finished { id, t, usage, finish } => {
-                    let Some(r) = self.reqs.remove(&id) else { continue };
+                Event::Finished {
+                    id,
+                    t,
+                    usage,
+                    finish,
+                } => {
+                    let Some(r) = self.reqs.remove(&id) else {
+                        continue;
+                    };
                     if finish == crate::emu::Finish::Aborted {
                         continue;
                     }
@@ -467,7 +519,15 @@ impl<'a> Sim<'a> {
                             let (n_in, n_out) = if c.turn == 1 { self.wl.t1 } else { self.wl.t2 };
                             let prompt = c.context + n_in;
                             let at = t + self.hop();
-                            self.submit_at(at, d, conv, Stage::Final, prompt, n_out, Kind::RemotePrefill);
+                            self.submit_at(
+                                at,
+                                d,
+                                conv,
+                                Stage::Final,
+                                prompt,
+                                n_out,
+                                Kind::RemotePrefill,
+                            );
                         }
                         Stage::Final => {
                             let c = &mut self.convs[conv as usize];
@@ -514,7 +574,11 @@ impl<'a> Sim<'a> {
             }
             let idx = self.convs.len() as u32;
             let key = mix64(self.cfg.seed.wrapping_mul(0x9E37) ^ (idx as u64 + 1));
-            self.convs.push(Conv { key, arrival: t, ..Conv::default() });
+            self.convs.push(Conv {
+                key,
+                arrival: t,
+                ..Conv::default()
+            });
             self.push(t, Ext::Arrive(idx));
         }
         self.open = self.convs.len();
@@ -533,7 +597,9 @@ impl<'a> Sim<'a> {
             }
             match te {
                 Some(te) if te <= tn => {
-                    let Some(Reverse((_, s))) = self.heap.pop() else { break };
+                    let Some(Reverse((_, s))) = self.heap.pop() else {
+                        break;
+                    };
                     if let Some((t, e)) = self.ext.remove(&s) {
                         self.handle_ext(t, e)?;
                     }
@@ -555,8 +621,16 @@ impl<'a> Sim<'a> {
                 requests_per_sec: done as f64 / (dur_ms / 1000.0),
                 tokens_per_sec: self.out_tokens as f64 / (dur_ms / 1000.0),
             },
-            success_rate: if self.sent == 0 { 1.0 } else { done as f64 / self.sent as f64 },
-            local_share: if self.decided2 == 0 { 0.0 } else { self.local as f64 / self.decided2 as f64 },
+            success_rate: if self.sent == 0 {
+                1.0
+            } else {
+                done as f64 / self.sent as f64
+            },
+            local_share: if self.decided2 == 0 {
+                0.0
+            } else {
+                self.local as f64 / self.decided2 as f64
+            },
             total_requests: self.sent,
             failed_requests: self.failed,
             duration_s: dur_ms / 1000.0,
@@ -565,22 +639,40 @@ impl<'a> Sim<'a> {
 }
 
 /// Runs one point. `table` is needed by the `ppd` policy only.
-pub fn simulate(cfg: &SimConfig, profile: &Profile, table: Option<&Table>) -> Result<SimResult, Error> {
+pub fn simulate(
+    cfg: &SimConfig,
+    profile: &Profile,
+    table: Option<&Table>,
+) -> Result<SimResult, Error> {
     profile.validate()?;
     if !cfg.qps.is_finite() || cfg.qps <= 0.0 || cfg.qps > 10_000.0 {
-        return Err(Error::Config(format!("qps must be in (0, 10000], got {}", cfg.qps)));
+        return Err(Error::Config(format!(
+            "qps must be in (0, 10000], got {}",
+            cfg.qps
+        )));
     }
     if !cfg.duration_s.is_finite() || cfg.duration_s <= 0.0 || cfg.duration_s > 86_400.0 {
-        return Err(Error::Config(format!("duration must be in (0, 86400] s, got {}", cfg.duration_s)));
+        return Err(Error::Config(format!(
+            "duration must be in (0, 86400] s, got {}",
+            cfg.duration_s
+        )));
     }
     if !cfg.timeout_s.is_finite() || cfg.timeout_s <= 0.0 {
-        return Err(Error::Config(format!("timeout must be > 0 s, got {}", cfg.timeout_s)));
+        return Err(Error::Config(format!(
+            "timeout must be > 0 s, got {}",
+            cfg.timeout_s
+        )));
     }
     if cfg.turns == 0 || cfg.turns > 64 {
-        return Err(Error::Config(format!("turns must be 1–64, got {}", cfg.turns)));
+        return Err(Error::Config(format!(
+            "turns must be 1–64, got {}",
+            cfg.turns
+        )));
     }
     if cfg.qps * cfg.duration_s > 1_000_000.0 {
-        return Err(Error::Config("qps × duration above 1,000,000 conversations".into()));
+        return Err(Error::Config(
+            "qps × duration above 1,000,000 conversations".into(),
+        ));
     }
     let wl = Workload::by_name(&cfg.workload)?;
     let roles = parse_layout(&cfg.deployment)?;
@@ -588,13 +680,20 @@ pub fn simulate(cfg: &SimConfig, profile: &Profile, table: Option<&Table>) -> Re
     let table = match (kind, table) {
         (_, Some(t)) => t.clone(),
         (PolicyKind::Ppd, None) => {
-            return Err(Error::Config("policy ppd needs a lookup table (--table)".into()))
+            return Err(Error::Config(
+                "policy ppd needs a lookup table (--table)".into(),
+            ))
         }
         _ => placeholder_table()?,
     };
     let router = DecisionEngine::new(table, kind, Weights::new(cfg.w_ttft, cfg.w_tpot)?);
     let idx = |f: fn(LayoutRole) -> bool| -> Vec<usize> {
-        roles.iter().enumerate().filter(|(_, r)| f(**r)).map(|(i, _)| i).collect()
+        roles
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| f(**r))
+            .map(|(i, _)| i)
+            .collect()
     };
     let ps = idx(|r| r == LayoutRole::P);
     let ds = idx(|r| r.is_decode());
@@ -603,7 +702,10 @@ pub fn simulate(cfg: &SimConfig, profile: &Profile, table: Option<&Table>) -> Re
     // serving nodes; a deployment lacking P or D sends everything to replicas.
     let replica_share = if ps.is_empty() || ds.is_empty() {
         if rs.is_empty() {
-            return Err(Error::Config(format!("deployment {}: needs P and D nodes, or R nodes", cfg.deployment)));
+            return Err(Error::Config(format!(
+                "deployment {}: needs P and D nodes, or R nodes",
+                cfg.deployment
+            )));
         }
         1.0
     } else {
@@ -680,9 +782,23 @@ pub fn run_grid(
 /// `local` (D nodes stay x = 0 by role, pD nodes append-prefill) or `replica` for 4R.
 pub fn paper_configs() -> Vec<(&'static str, &'static str)> {
     [
-        "1P_1D_2pD", "1P_2D_1pD", "1P_3D", "1P_3pD", "1R_1P_1D_1pD", "1R_1P_2D", "1R_1P_2pD",
-        "1R_2P_1D", "1R_2P_1pD", "2P_1D_1pD", "2P_2D", "2P_2pD", "2R_1P_1D", "2R_1P_1pD",
-        "3P_1D", "3P_1pD", "4R",
+        "1P_1D_2pD",
+        "1P_2D_1pD",
+        "1P_3D",
+        "1P_3pD",
+        "1R_1P_1D_1pD",
+        "1R_1P_2D",
+        "1R_1P_2pD",
+        "1R_2P_1D",
+        "1R_2P_1pD",
+        "2P_1D_1pD",
+        "2P_2D",
+        "2P_2pD",
+        "2R_1P_1D",
+        "2R_1P_1pD",
+        "3P_1D",
+        "3P_1pD",
+        "4R",
     ]
     .into_iter()
     .map(|c| (c, if c == "4R" { "replica" } else { "local" }))

@@ -29,17 +29,30 @@ fn local_turn2_beats_pd_turn2_ttft_for_decode_heavy_work() {
     let x1 = run("2P_2pD", "local", "large_tiny", 4.0);
     assert_eq!(x0.local_share, 0.0, "decode-only D nodes never go local");
     assert_eq!(x1.local_share, 1.0);
-    assert!(x1.turn2plus.avg_ttft_ms < x0.turn2plus.avg_ttft_ms, "{} vs {}", x1.turn2plus.avg_ttft_ms, x0.turn2plus.avg_ttft_ms);
+    assert!(
+        x1.turn2plus.avg_ttft_ms < x0.turn2plus.avg_ttft_ms,
+        "{} vs {}",
+        x1.turn2plus.avg_ttft_ms,
+        x0.turn2plus.avg_ttft_ms
+    );
 }
 
 #[test]
 fn partial_configurations_route_by_node_capability() {
     let r = run("1P_1D_2pD", "local", "small_tiny", 8.0);
-    assert!(r.local_share > 0.4 && r.local_share < 0.9, "{}", r.local_share);
+    assert!(
+        r.local_share > 0.4 && r.local_share < 0.9,
+        "{}",
+        r.local_share
+    );
     let pd = run("2P2pD", "pd", "small_tiny", 4.0);
     assert_eq!(pd.local_share, 0.0);
     let half = run("2P2pD", "fraction:0.5", "small_tiny", 8.0);
-    assert!(half.local_share > 0.2 && half.local_share < 0.8, "{}", half.local_share);
+    assert!(
+        half.local_share > 0.2 && half.local_share < 0.8,
+        "{}",
+        half.local_share
+    );
 }
 
 #[test]
@@ -77,7 +90,10 @@ fn a_slower_link_raises_pd_turn2_ttft_but_not_local() {
     let fast1 = simulate(&c1, &fast, None).unwrap();
     let slow1 = simulate(&c1, &slow, None).unwrap();
     assert!(slow0.turn2plus.avg_ttft_ms > fast0.turn2plus.avg_ttft_ms + 100.0);
-    assert!((slow1.turn2plus.avg_ttft_ms - fast1.turn2plus.avg_ttft_ms).abs() < 1.0, "local Turn 2 moves no KV");
+    assert!(
+        (slow1.turn2plus.avg_ttft_ms - fast1.turn2plus.avg_ttft_ms).abs() < 1.0,
+        "local Turn 2 moves no KV"
+    );
     // A NIXL-style pull moves only what D lacks: Turn 2 on the same D is nearly unaffected.
     let mut nixl_slow = slow.clone();
     nixl_slow.link.full_prompt_transfer = false;
@@ -123,7 +139,10 @@ fn bad_configs_are_errors_not_panics() {
 
 #[test]
 fn the_grid_runner_keeps_point_order() {
-    let pts: Vec<SimConfig> = [1.0, 2.0, 4.0].iter().map(|&q| SimConfig::new("2P2pD", "local", "small_tiny", q)).collect();
+    let pts: Vec<SimConfig> = [1.0, 2.0, 4.0]
+        .iter()
+        .map(|&q| SimConfig::new("2P2pD", "local", "small_tiny", q))
+        .collect();
     let r = run_grid(&pts, &profile(), None, 2);
     let counts: Vec<u64> = r.iter().map(|x| x.as_ref().unwrap().turn1.count).collect();
     assert!(counts[0] < counts[1] && counts[1] < counts[2], "{counts:?}");
@@ -147,5 +166,10 @@ fn a_client_whose_history_misses_the_cache_pays_for_the_last_answer() {
     p.harness.answer_prefix_hit = false;
     let miss = simulate(&c, &p, None).unwrap();
     // 1,024 answer tokens recomputed at 0.05 ms each (+ attention) in Turn 2's prefill.
-    assert!(miss.turn2plus.avg_ttft_ms > hit.turn2plus.avg_ttft_ms + 40.0, "{} vs {}", miss.turn2plus.avg_ttft_ms, hit.turn2plus.avg_ttft_ms);
+    assert!(
+        miss.turn2plus.avg_ttft_ms > hit.turn2plus.avg_ttft_ms + 40.0,
+        "{} vs {}",
+        miss.turn2plus.avg_ttft_ms,
+        hit.turn2plus.avg_ttft_ms
+    );
 }

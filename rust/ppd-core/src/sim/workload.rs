@@ -38,7 +38,10 @@ impl Workload {
         let (ctx, t2) = name.split_once('_').ok_or_else(bad)?;
         let t1 = T1_CONTEXTS.iter().find(|c| c.0 == ctx).ok_or_else(bad)?;
         let w = T2_WORKLOADS.iter().find(|w| w.0 == t2).ok_or_else(bad)?;
-        Ok(Workload { t1: (t1.1, t1.2), t2: (w.1, w.2) })
+        Ok(Workload {
+            t1: (t1.1, t1.2),
+            t2: (w.1, w.2),
+        })
     }
 }
 

@@ -19,19 +19,31 @@ fn set_path(v: &mut toml::Value, path: &str, raw: &str) -> Result<(), String> {
     let mut cur = v;
     let parts: Vec<&str> = path.split('.').collect();
     for (i, p) in parts.iter().enumerate() {
-        let table = cur.as_table_mut().ok_or_else(|| format!("{path}: {p} is not a table"))?;
+        let table = cur
+            .as_table_mut()
+            .ok_or_else(|| format!("{path}: {p} is not a table"))?;
         if i + 1 == parts.len() {
-            let old = table.get(*p).ok_or_else(|| format!("{path}: no such field"))?;
+            let old = table
+                .get(*p)
+                .ok_or_else(|| format!("{path}: no such field"))?;
             let new = match old {
-                toml::Value::Integer(_) => toml::Value::Integer(raw.parse().map_err(|e| format!("{path}: {e}"))?),
-                toml::Value::Float(_) => toml::Value::Float(raw.parse().map_err(|e| format!("{path}: {e}"))?),
-                toml::Value::Boolean(_) => toml::Value::Boolean(raw.parse().map_err(|e| format!("{path}: {e}"))?),
+                toml::Value::Integer(_) => {
+                    toml::Value::Integer(raw.parse().map_err(|e| format!("{path}: {e}"))?)
+                }
+                toml::Value::Float(_) => {
+                    toml::Value::Float(raw.parse().map_err(|e| format!("{path}: {e}"))?)
+                }
+                toml::Value::Boolean(_) => {
+                    toml::Value::Boolean(raw.parse().map_err(|e| format!("{path}: {e}"))?)
+                }
                 _ => toml::Value::String(raw.to_owned()),
             };
             table.insert((*p).to_owned(), new);
             return Ok(());
         }
-        cur = table.get_mut(*p).ok_or_else(|| format!("{path}: no table {p}"))?;
+        cur = table
+            .get_mut(*p)
+            .ok_or_else(|| format!("{path}: no table {p}"))?;
     }
     Err(format!("{path}: empty path"))
 }
@@ -47,12 +59,17 @@ fn main() {
     let mut seed = 0u64;
     let mut out: Option<String> = None;
     while let Some(a) = args.next() {
-        let mut val = || args.next().unwrap_or_else(|| fail(&format!("{a} needs a value")));
+        let mut val = || {
+            args.next()
+                .unwrap_or_else(|| fail(&format!("{a} needs a value")))
+        };
         match a.as_str() {
             "--profile" => profile_name = val(),
             "--set" => {
                 let kv = val();
-                let (k, v) = kv.split_once('=').unwrap_or_else(|| fail("--set wants key=value"));
+                let (k, v) = kv
+                    .split_once('=')
+                    .unwrap_or_else(|| fail("--set wants key=value"));
                 sets.push((k.to_owned(), v.to_owned()));
             }
             "--configs" => configs = val().split(',').map(str::to_owned).collect(),
@@ -60,7 +77,10 @@ fn main() {
             "--qps" => {
                 qps = val()
                     .split(',')
-                    .map(|q| q.parse().unwrap_or_else(|_| fail(&format!("bad qps {q:?}"))))
+                    .map(|q| {
+                        q.parse()
+                            .unwrap_or_else(|_| fail(&format!("bad qps {q:?}")))
+                    })
                     .collect()
             }
             "--threads" => threads = val().parse().unwrap_or_else(|_| fail("bad --threads")),
@@ -79,10 +99,18 @@ fn main() {
         for (k, x) in &sets {
             set_path(&mut v, k, x).unwrap_or_else(|e| fail(&e));
         }
-        profile = v.try_into().unwrap_or_else(|e: toml::de::Error| fail(&e.to_string()));
+        profile = v
+            .try_into()
+            .unwrap_or_else(|e: toml::de::Error| fail(&e.to_string()));
         profile.validate().unwrap_or_else(|e| fail(&e.to_string()));
     }
-    let policy_of = |c: &str| if c.contains('P') && (c.contains('D')) { "local" } else { "replica" };
+    let policy_of = |c: &str| {
+        if c.contains('P') && (c.contains('D')) {
+            "local"
+        } else {
+            "replica"
+        }
+    };
     let mut points = vec![];
     for c in &configs {
         for w in &workloads {
@@ -123,5 +151,10 @@ requests_per_sec,tokens_per_sec,success_rate_pct,local_share,error\n",
             let _ = std::io::stdout().write_all(text.as_bytes());
         }
     }
-    eprintln!("points={} threads={} wall_s={:.2}", points.len(), threads, wall);
+    eprintln!(
+        "points={} threads={} wall_s={:.2}",
+        points.len(),
+        threads,
+        wall
+    );
 }
