@@ -7,7 +7,7 @@ use futures_util::{Stream, StreamExt};
 use std::borrow::Cow;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -362,10 +362,33 @@ pub async fn completions(
         n_in: f.n_in,
         route,
         started,
+        unreachable: AtomicBool::new(false),
     };
     match route.path {
         Path::Local => match holder {
-            Some(d) => ctx.local(d).await,
+            Some(d) => {
+                let resp = ctx.local(d).await;
+                if !ctx.unreachable.load(Ordering::Acquire) {
+                    return resp;
+                }
+                // The pD died since the last health check and nothing was sent:
+                // decide again knowing it is gone (the engine names the reason).
+                let again = DecisionInput {
+                    d_available: false,
+                    ..input
+                };
+                let route = match st.engine.decide(&again) {
+                    Ok(r) => r,
+                    Err(_) => return resp,
+                };
+                st.record_decision(route.path, route.reason, None);
+                let retry = Request {
+                    route,
+                    unreachable: AtomicBool::new(false),
+                    ..ctx
+                };
+                retry.pd(None).await
+            }
             None => unavailable("the session's decode node is gone"),
         },
         Path::Replica => ctx.replica(holder).await,
@@ -383,6 +406,8 @@ struct Request<'a> {
     n_in: u32,
     route: Route,
     started: Instant,
+    /// Set when a local forward found its node unreachable before sending anything.
+    unreachable: AtomicBool,
 }
 
 enum PrefillError {
@@ -408,6 +433,10 @@ impl Request<'_> {
     }
 
     fn fail(&self, status: StatusCode, resp: Response) -> Response {
+        if self.unreachable.load(Ordering::Acquire) {
+            // Retried on the pd path; the client never sees this answer.
+            return resp;
+        }
         self.st
             .metrics
             .requests
@@ -678,6 +707,10 @@ impl Request<'_> {
             Ok(Err(e)) => {
                 self.upstream_error(role, "connect");
                 self.st.registry.record_failure(&d, self.st.now_ms());
+                if e.is_connect() && self.route.path == Path::Local {
+                    d.set_healthy(false);
+                    self.unreachable.store(true, Ordering::Release);
+                }
                 return self.fail(
                     StatusCode::BAD_GATEWAY,
                     openai_error(
