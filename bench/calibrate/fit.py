@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SWEEP = ROOT.parent / "shared" / "data" / "ppd-h100" / "sweep.csv"
 PROFILE = ROOT / "tables" / "engine-h100-llama3.1-8b.toml"
 CORE = ["4R", "1P_3D", "2P_2D", "3P_1D", "1P_3pD", "2P_2pD", "3P_1pD", "1P_1D_2pD", "1P_2D_1pD", "2P_1D_1pD"]
+REGRESSION_QPS = [1.0, 4.0]
 PAIRS = [("1P_3D", "1P_3pD"), ("2P_2D", "2P_2pD"), ("3P_1D", "3P_1pD")]
 METRICS = [("turn2_avg_ttft_ms", "T2 TTFT"), ("turn2_avg_tpot_ms", "T2 TPOT"), ("turn1_avg_ttft_ms", "T1 TTFT")]
 # The fitted parameters and their search bounds.
@@ -250,6 +251,15 @@ def report(args) -> None:
         "same_winner": {"agree": agree, "cells": total, "share": round(agree / max(total, 1), 4)},
         "core_within_15pct": sum(core_ok.values()),
     }
+    # The subset the Rust regression test (rust/ppd-emulator/tests/calibration.rs) re-simulates.
+    reg_sim, _ = run_sim(args.profile, dict(s.split("=", 1) for s in args.set), CORE, REGRESSION_QPS)
+    reg = errors(measured, reg_sim, CORE)
+    ra, rt = same_winner(measured, reg_sim)
+    summary["regression"] = {
+        "qps": REGRESSION_QPS,
+        "median_abs_pct_error": {c: {mk: round(reg[c][mk], 3) for mk, _ in METRICS} for c in CORE},
+        "same_winner": {"agree": ra, "cells": rt},
+    }
     print(json.dumps(summary, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
@@ -313,6 +323,28 @@ NOTES = """- The measured Turn-1 TTFT grows to tens of seconds at high QPS even 
   not identifiable from this data (a 2 k-token KV is ~2 ms at 150 GB/s).
 - Single short runs per point: several measured points are noisy outliers (e.g. Turn-2
   TTFT at QPS 0.5 based on 1–5 conversations), which bounds what any model can match.
+
+### Where it misses, honestly
+
+- **Turn-2 TTFT misses the 15 % target on most core configurations** (the x = 1 ones and
+  1P_3D sit around 18–24 %). Two known model gaps: (1) the link is modelled on the D side
+  only, so the one P of 1P_3D never becomes a *sending* bottleneck; the measurement shows P
+  saturating at high QPS with large Turn-2 prompts (e.g. 1P_3D small_huge_paste at QPS 8:
+  1,848 ms measured vs ~135 ms simulated); (2) local (x = 1) Turn-2 TTFT at large context
+  is under-predicted at low load: the fitted linear prefill cost per token (0.023 ms) is below
+  what 4R's Turn-1 TTFT alone suggests (~0.043 ms), because the fit trades it against the
+  HTTP/harness overheads across all rows.
+- Turn-2 TPOT (≤ 7 %) and Turn-1 TTFT (≤ 15.4 %) are within or at the target for the core
+  configurations; 1P_3D's Turn-1 TTFT is just over (15.4 %).
+- The x = 0 / x = 1 winner agrees in ~98 % of cells, well above the 80 % target: the
+  decision the router takes from this model matches the measured one.
+- The fit is a coordinate search on a subset (core configurations, QPS 1/4/8/16) of a
+  mean-of-medians objective plus a penalty per disagreeing winner cell; it is a local
+  optimum, not a global one:
+
+      python3 bench/calibrate/fit.py fit --rounds 5 --write tables/engine-h100-llama3.1-8b.toml
+
+- `aiconfigurator-core` (NVIDIA's measured kernel tables) was not used as a second source.
 """
 
 

@@ -50,7 +50,11 @@ pub struct AppState {
     rng: AtomicU64,
     client: reqwest::Client,
     created: u64,
+    /// Model times of recent requests (name, first token ms, finish ms) for `/admin/timings`.
+    timings: Mutex<std::collections::VecDeque<(String, f64, f64)>>,
 }
+
+const TIMINGS_KEPT: usize = 65_536;
 
 fn unix_now() -> u64 {
     SystemTime::now()
@@ -90,6 +94,7 @@ impl AppState {
                 .build()
                 .unwrap_or_default(),
             created: unix_now(),
+            timings: Mutex::new(std::collections::VecDeque::new()),
         })
     }
 
@@ -116,6 +121,15 @@ impl AppState {
             return;
         }
         n.await;
+    }
+
+    fn record_timing(&self, name: &str, first: Option<f64>, finish: f64) {
+        if let Ok(mut t) = self.timings.lock() {
+            if t.len() >= TIMINGS_KEPT {
+                t.pop_front();
+            }
+            t.push_back((name.to_owned(), first.unwrap_or(finish), finish));
+        }
     }
 
     fn faults(&self) -> Faults {
@@ -158,6 +172,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .route("/admin/faults", get(get_faults).post(set_faults))
+        .route("/admin/timings", get(timings))
         .route("/internal/kv/pull", post(kv_pull))
         .fallback(not_found)
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
@@ -229,6 +244,18 @@ async fn metrics_text(State(s): State<Arc<AppState>>) -> Response {
         text,
     )
         .into_response()
+}
+
+/// Emulator-only: model times (ms since node start) of recent requests, to check real-time fidelity.
+async fn timings(State(s): State<Arc<AppState>>) -> Response {
+    let list: Vec<Value> = match s.timings.lock() {
+        Ok(t) => t
+            .iter()
+            .map(|(n, a, b)| json!({"id": n, "model_first_token_ms": a, "model_finish_ms": b}))
+            .collect(),
+        Err(_) => vec![],
+    };
+    axum::Json(json!({"requests": list})).into_response()
 }
 
 async fn get_faults(State(s): State<Arc<AppState>>) -> Response {
@@ -657,11 +684,13 @@ async fn json_response(
     let mut ttft = None;
     let mut last = Instant::now();
     let mut itl = Vec::new();
+    let mut model_first = None;
     loop {
         match rx.recv().await {
-            Some(Out::Token { index }) => {
+            Some(Out::Token { index, t }) => {
                 let now = Instant::now();
                 if index == 0 {
+                    model_first = Some(t);
                     ttft = Some(ctx.arrived.elapsed().as_secs_f64());
                 } else {
                     itl.push(now.duration_since(last).as_secs_f64());
@@ -677,8 +706,10 @@ async fn json_response(
                 usage,
                 finish,
                 held_blocks,
+                t,
             }) => {
                 guard.armed = false;
+                ctx.s.record_timing(&ctx.name, model_first, t);
                 let fr = ctx.finish_str(finish);
                 ctx.record(ttft, &itl, fr);
                 let choice = match ctx.ep {
@@ -723,6 +754,7 @@ struct StreamState {
     guard: AbortGuard,
     last: Instant,
     ttft: Option<f64>,
+    model_first: Option<f64>,
     itl: Vec<f64>,
     done: bool,
 }
@@ -751,6 +783,7 @@ async fn stream_response(
         guard,
         last: Instant::now(),
         ttft: None,
+        model_first: None,
         itl: Vec::new(),
         done: false,
     };
@@ -777,9 +810,10 @@ async fn stream_response(
                     }
                     break;
                 }
-                Some(Out::Token { index }) => {
+                Some(Out::Token { index, t }) => {
                     let now = Instant::now();
                     if index == 0 {
+                        st.model_first = Some(t);
                         st.ttft = Some(st.ctx.arrived.elapsed().as_secs_f64());
                     } else {
                         st.itl.push(now.duration_since(st.last).as_secs_f64());
@@ -799,7 +833,10 @@ async fn stream_response(
                     buf.push_str(&format!("data: {err}\n\ndata: [DONE]\n\n"));
                     break;
                 }
-                Some(Out::Finished { usage, finish, .. }) => {
+                Some(Out::Finished {
+                    usage, finish, t, ..
+                }) => {
+                    st.ctx.s.record_timing(&st.ctx.name, st.model_first, t);
                     st.done = true;
                     st.guard.armed = false;
                     let fr = st.ctx.finish_str(finish);

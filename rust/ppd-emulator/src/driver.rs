@@ -16,14 +16,17 @@ use tokio::sync::{mpsc, oneshot};
 #[derive(Debug)]
 pub enum Out {
     Rejected(SubmitError),
+    /// `t`: the model's time of the event (ms since the node started).
     Token {
         index: u32,
+        t: f64,
     },
     /// `held_blocks`: the block ids P keeps for a D to pull (empty unless RemoteDecode).
     Finished {
         usage: Usage,
         finish: Finish,
         held_blocks: Vec<u32>,
+        t: f64,
     },
 }
 
@@ -158,7 +161,7 @@ fn dispatch(
 ) {
     for e in ev.drain(..) {
         let (id, t, out) = match e {
-            Event::Token { id, index, t } => (id, t, Some(Out::Token { index })),
+            Event::Token { id, index, t } => (id, t, Some(Out::Token { index, t })),
             Event::Finished {
                 id,
                 t,
@@ -176,6 +179,7 @@ fn dispatch(
                         usage,
                         finish,
                         held_blocks,
+                        t,
                     }),
                 )
             }
