@@ -29,9 +29,9 @@ pub fn routes() -> Router<Arc<AppState>> {
 }
 
 /// Refuses without the configured bearer token (and always when none is configured).
-fn authorize(st: &AppState, headers: &HeaderMap) -> Result<(), Response> {
+fn refusal(st: &AppState, headers: &HeaderMap) -> Option<Response> {
     let Some(token) = &st.cfg.admin_token else {
-        return Err(openai_error(
+        return Some(openai_error(
             StatusCode::FORBIDDEN,
             "the admin API is disabled; start the router with --admin-token",
             "permission_error",
@@ -43,14 +43,14 @@ fn authorize(st: &AppState, headers: &HeaderMap) -> Result<(), Response> {
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
     if given.map(str::trim) != Some(token.as_str()) {
-        return Err(openai_error(
+        return Some(openai_error(
             StatusCode::UNAUTHORIZED,
             "missing or wrong admin bearer token",
             "authentication_error",
             "bad_token",
         ));
     }
-    Ok(())
+    None
 }
 
 fn bad_request(msg: impl Into<String>) -> Response {
@@ -64,7 +64,7 @@ fn bad_request(msg: impl Into<String>) -> Response {
 
 macro_rules! authorized {
     ($st:expr, $h:expr) => {
-        if let Err(r) = authorize(&$st, &$h) {
+        if let Some(r) = refusal(&$st, &$h) {
             return r;
         }
     };

@@ -336,7 +336,8 @@ mod tests {
 
     #[test]
     fn every_bad_value_names_its_field() {
-        let cases: Vec<(&str, Box<dyn Fn(&mut RouterConfig)>)> = vec![
+        type Mutation = Box<dyn Fn(&mut RouterConfig)>;
+        let cases: Vec<(&str, Mutation)> = vec![
             ("policy", Box::new(|c| c.policy = "fast".into())),
             ("w_ttft", Box::new(|c| c.w_ttft = f64::NAN)),
             ("w_tpot", Box::new(|c| c.w_tpot = -1.0)),
