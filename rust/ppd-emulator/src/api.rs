@@ -571,6 +571,8 @@ async fn generate(s: Arc<AppState>, ep: Endpoint, body: Bytes) -> Response {
         armed: true,
     };
     let ctx = Ctx {
+        created: unix_now(),
+        model_json: serde_json::to_string(&s.model).unwrap_or_else(|_| "\"\"".into()),
         s: Arc::clone(&s),
         ep,
         name,
@@ -589,6 +591,9 @@ async fn generate(s: Arc<AppState>, ep: Endpoint, body: Bytes) -> Response {
 
 struct Ctx {
     s: Arc<AppState>,
+    /// `created` of every chunk of this response (vLLM keeps one per request).
+    created: u64,
+    model_json: String,
     ep: Endpoint,
     name: String,
     key: u64,
@@ -656,22 +661,34 @@ impl Ctx {
         } else {
             "text_completion"
         };
-        let mut v = json!({"id": self.name, "object": object, "created": unix_now(), "model": self.s.model, "choices": choice});
+        let mut v = json!({"id": self.name, "object": object, "created": self.created, "model": self.s.model, "choices": choice});
         if let Some(u) = usage {
             v["usage"] = u;
         }
         format!("data: {v}\n\n")
     }
 
-    fn token_choice(&self, piece: &str) -> Value {
-        match self.ep {
-            Endpoint::Chat => {
-                json!([{"index": 0, "delta": {"content": piece}, "logprobs": null, "finish_reason": null}])
-            }
-            Endpoint::Completion => {
-                json!([{"index": 0, "text": piece, "logprobs": null, "finish_reason": null, "stop_reason": null}])
-            }
-        }
+    /// One token's SSE event, written directly (the hot path: one per token per stream).
+    /// Pieces are generator words (ASCII letters and a space), so they need no escaping.
+    fn push_token_chunk(&self, buf: &mut String, piece: &str) {
+        use std::fmt::Write;
+        let (object, open, close) = match self.ep {
+            Endpoint::Chat => (
+                "chat.completion.chunk",
+                r#"{"index":0,"delta":{"content":""#,
+                r#""},"logprobs":null,"finish_reason":null}"#,
+            ),
+            Endpoint::Completion => (
+                "text_completion",
+                r#"{"index":0,"text":""#,
+                r#"","logprobs":null,"finish_reason":null,"stop_reason":null}"#,
+            ),
+        };
+        let _ = write!(
+            buf,
+            "data: {{\"id\":\"{}\",\"object\":\"{object}\",\"created\":{},\"model\":{},\"choices\":[{open}{piece}{close}]}}\n\n",
+            self.name, self.created, self.model_json
+        );
     }
 }
 
@@ -730,7 +747,7 @@ async fn json_response(
                     "text_completion"
                 };
                 let mut body = json!({
-                    "id": ctx.name, "object": object, "created": unix_now(), "model": ctx.s.model,
+                    "id": ctx.name, "object": object, "created": ctx.created, "model": ctx.s.model,
                     "choices": [choice], "usage": ctx.usage(&usage),
                     "system_fingerprint": null, "kv_transfer_params": ctx.kv_params(&held_blocks)
                 });
@@ -824,7 +841,7 @@ async fn stream_response(
                         let role = json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]);
                         buf.push_str(&st.ctx.chunk(role, None));
                     }
-                    buf.push_str(&st.ctx.chunk(st.ctx.token_choice(&piece), None));
+                    st.ctx.push_token_chunk(&mut buf, &piece);
                 }
                 Some(Out::Rejected(e)) => {
                     st.done = true;
