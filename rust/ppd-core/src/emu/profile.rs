@@ -25,6 +25,10 @@ pub struct StepModel {
     /// Per sequence in the batch (bookkeeping, sampling), ms.
     #[serde(default)]
     pub per_seq_ms: f64,
+    /// Extra linear cost of a prefill token over a decode token (prefill is
+    /// compute-bound, decode memory-bound), ms.
+    #[serde(default)]
+    pub prefill_token_ms: f64,
     /// Prefill attention per million (new token × attended key) pairs, ms.
     pub attn_ms_per_mpair: f64,
     /// Decode attention: KV read per thousand context tokens across the decode batch, ms.
@@ -40,6 +44,7 @@ impl StepModel {
         }
         self.overhead_ms
             + self.per_token_ms * (b.prefill_tokens + b.decode_seqs) as f64
+            + self.prefill_token_ms * b.prefill_tokens as f64
             + self.per_seq_ms * b.seqs as f64
             + self.attn_ms_per_mpair * b.prefill_pairs / 1e6
             + self.decode_ctx_ms_per_ktoken * b.decode_ctx_tokens as f64 / 1e3
@@ -104,6 +109,10 @@ pub struct ApiModel {
     /// Per request forwarded by the router (one hop), ms; the simulator adds it per hop.
     #[serde(default)]
     pub router_hop_ms: f64,
+    /// Extra router cost of the local (x = 1) path: the measured PPD proxy spent it
+    /// on session lookup and routing before forwarding to the pD, ms (simulator only).
+    #[serde(default)]
+    pub local_path_extra_ms: f64,
 }
 
 /// How the measured rows were produced (the paper's load harness), for the simulator only.
@@ -170,6 +179,7 @@ impl Profile {
             ("step.overhead_ms", self.step.overhead_ms),
             ("step.per_token_ms", self.step.per_token_ms),
             ("step.per_seq_ms", self.step.per_seq_ms),
+            ("step.prefill_token_ms", self.step.prefill_token_ms),
             ("step.attn_ms_per_mpair", self.step.attn_ms_per_mpair),
             (
                 "step.decode_ctx_ms_per_ktoken",
@@ -178,6 +188,7 @@ impl Profile {
             ("link.latency_ms", self.link.latency_ms),
             ("api.request_overhead_ms", self.api.request_overhead_ms),
             ("api.router_hop_ms", self.api.router_hop_ms),
+            ("api.local_path_extra_ms", self.api.local_path_extra_ms),
             ("kv_lease_s", self.kv_lease_s),
         ];
         for (f, v) in nonneg {
@@ -226,6 +237,7 @@ impl Profile {
                 overhead_ms: 5.0,
                 per_token_ms: 0.05,
                 per_seq_ms: 0.01,
+                prefill_token_ms: 0.0,
                 attn_ms_per_mpair: 5.0,
                 decode_ctx_ms_per_ktoken: 0.02,
             },
@@ -237,6 +249,7 @@ impl Profile {
             api: ApiModel {
                 request_overhead_ms: 1.0,
                 router_hop_ms: 1.0,
+                local_path_extra_ms: 0.0,
             },
             harness: Harness::default(),
         }

@@ -364,6 +364,7 @@ impl<'a> Sim<'a> {
             Path::Local => {
                 self.local += 1;
                 let node = self.convs[conv as usize].d.unwrap_or(self.ds[0]);
+                let t = t + self.p.api.local_path_extra_ms;
                 self.submit_at(t, node, conv, Stage::Final, prompt, n_out, Kind::Local);
             }
             Path::Pd => {
