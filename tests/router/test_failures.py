@@ -89,8 +89,12 @@ def test_bad_input_is_rejected_with_clear_errors(cluster_factory):
     assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
     r = c.client.get(c.url + "/v1/nothing")
     assert r.status_code == 404
-    # Every request was counted, including the refused ones that reached routing.
     assert c.nodes["P"][0].served() == 0
+    # Every request is counted, the refused ones under path "none".
+    metrics = c.client.get(c.url + "/metrics").text
+    rejected = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                   if line.startswith("ppd_requests_total{") and 'path="none"' in line)
+    assert rejected == 6
 
 
 def test_client_disconnect_aborts_the_upstream_request(cluster_factory):

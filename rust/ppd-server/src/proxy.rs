@@ -54,6 +54,10 @@ fn unavailable(message: impl Into<String>) -> Response {
     r
 }
 
+/// Marks a response already counted in `ppd_requests_total` (a routed request).
+#[derive(Clone, Copy)]
+pub struct Counted;
+
 /// Which OpenAI endpoint a request came in on (and goes out to).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Endpoint {
@@ -152,6 +156,7 @@ impl Ticket {
 }
 
 fn now_route_headers(resp: &mut Response, route: &Route, conv: &str, node: &Node) {
+    resp.extensions_mut().insert(Counted);
     let h = resp.headers_mut();
     h.insert("x-ppd-path", HeaderValue::from_static(route.path.as_str()));
     h.insert(
@@ -389,7 +394,10 @@ pub async fn completions(
                 };
                 retry.pd(None).await
             }
-            None => unavailable("the session's decode node is gone"),
+            None => ctx.fail(
+                StatusCode::SERVICE_UNAVAILABLE,
+                unavailable("the session's decode node is gone"),
+            ),
         },
         Path::Replica => ctx.replica(holder).await,
         Path::Pd => ctx.pd(holder).await,
@@ -433,6 +441,8 @@ impl Request<'_> {
     }
 
     fn fail(&self, status: StatusCode, resp: Response) -> Response {
+        let mut resp = resp;
+        resp.extensions_mut().insert(Counted);
         if self.unreachable.load(Ordering::Acquire) {
             // Retried on the pd path; the client never sees this answer.
             return resp;

@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::config::RouterConfig;
-use crate::metrics::NodeStateLabels;
-use crate::proxy::{completions, openai_error, Endpoint};
+use crate::metrics::{NodeStateLabels, RequestLabels};
+use crate::proxy::{completions, openai_error, Counted, Endpoint};
 use crate::registry::{NodeState, Role};
 use crate::state::{default_table_for, AppState};
 use crate::ServerError;
@@ -31,11 +31,33 @@ pub fn app(state: Arc<AppState>) -> Router {
 }
 
 async fn chat(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
-    completions(st, Endpoint::Chat, headers, body).await
+    count_rejected(
+        &st,
+        completions(Arc::clone(&st), Endpoint::Chat, headers, body).await,
+    )
 }
 
 async fn complete(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
-    completions(st, Endpoint::Completions, headers, body).await
+    count_rejected(
+        &st,
+        completions(Arc::clone(&st), Endpoint::Completions, headers, body).await,
+    )
+}
+
+/// Requests refused before routing (bad body, unknown model, …) are counted
+/// too, under path `none`, so every request shows up in the metrics.
+fn count_rejected(st: &AppState, resp: Response) -> Response {
+    if resp.extensions().get::<Counted>().is_none() {
+        st.metrics
+            .requests
+            .get_or_create(&RequestLabels {
+                path: "none",
+                reason: "rejected",
+                status: resp.status().as_u16(),
+            })
+            .inc();
+    }
+    resp
 }
 
 async fn not_found() -> Response {
