@@ -138,3 +138,24 @@ def test_usage_updates_the_session_context(cluster_factory, stream):
     if not stream:
         u = r1.json()["usage"]
         assert s["context_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+
+
+def test_hybrid_deployment_puts_the_replica_share_of_conversations_on_r(cluster_factory, tmp_path):
+    table = write_table(tmp_path / "t.json", 60.0, 12.0)
+    c = cluster_factory({"P": 1, "pD": 1, "R": 1}, policy="ppd", table=str(table), replica_share=0.5)
+    engine = DecisionEngine(Table.load(table), "ppd")
+    paths = []
+    for i in range(12):
+        first = f"hybrid conversation {i}"
+        r1, history = two_turns(c, first, "next turn")
+        cid = r1.headers["x-ppd-session"]
+        expect = engine.decide(1, 5, 8, 0, 1.0, conversation_id=cid, replica_share=0.5)
+        assert (r1.headers["x-ppd-path"], r1.headers["x-ppd-reason"]) == (expect.path, expect.reason)
+        r2 = c.chat(history)
+        if expect.path == "replica":
+            assert (r2.headers["x-ppd-path"], r2.headers["x-ppd-reason"]) == ("replica", "replica_session")
+            assert r2.headers["x-ppd-node"] == c.nodes["R"][0].url
+        else:
+            assert r2.headers["x-ppd-path"] == "local"
+        paths.append(expect.path)
+    assert "replica" in paths and "pd" in paths
