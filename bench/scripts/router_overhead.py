@@ -287,7 +287,7 @@ def main() -> None:
                     s["rep"] = rep
                     results["runs"].append(s)
                     print(line(s), flush=True)
-        for target in [t for t in args.ramp_targets if t in targets]:
+        for target in [t for t in args.ramp_targets if t in targets and args.ramp]:
             steps = []
             for rate in args.ramp:
                 s = run(target, rate, args.ramp_duration, seed=77 + int(rate))
