@@ -58,6 +58,15 @@ pub fn classify(event: &[u8]) -> EventKind {
     if data == "[DONE]" {
         return EventKind::Done;
     }
+    // Token chunks are most of a stream: one without "usage" or "error" in it
+    // needs no JSON parse to be known as data.
+    if data.starts_with('{')
+        && data.contains("\"choices\"")
+        && !data.contains("\"usage\"")
+        && !data.contains("\"error\"")
+    {
+        return EventKind::Data { usage: None };
+    }
     match serde_json::from_str::<ChunkView>(data) {
         Ok(c) if c.error.is_some() => EventKind::Error,
         Ok(c) => match (c.choices.as_ref().map(Vec::len), c.usage) {
@@ -135,6 +144,8 @@ mod tests {
             EventKind::Error
         );
         assert_eq!(classify(b": keep-alive\n\n"), EventKind::Other);
+        let token = b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n";
+        assert_eq!(classify(token), EventKind::Data { usage: None });
         assert_eq!(classify(b"data: not json\n\n"), EventKind::Other);
     }
 
