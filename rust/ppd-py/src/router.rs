@@ -26,6 +26,18 @@ pub struct Router {
     handle: Mutex<Option<RouterHandle>>,
 }
 
+impl Router {
+    /// Runs `f` on the started router, or says it is not started.
+    fn with_started<R>(&self, f: impl FnOnce(&RouterHandle) -> PyResult<R>) -> PyResult<R> {
+        let h = self
+            .handle
+            .lock()
+            .map_err(|_| PyRuntimeError::new_err("router lock poisoned"))?;
+        f(h.as_ref()
+            .ok_or_else(|| PyRuntimeError::new_err("the router is not started"))?)
+    }
+}
+
 #[pymethods]
 impl Router {
     #[new]
@@ -108,45 +120,23 @@ impl Router {
         };
         let spec = ppd_server::config::parse_node("url", url)
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
-        let h = self
-            .handle
-            .lock()
-            .map_err(|_| PyRuntimeError::new_err("router lock poisoned"))?;
-        let h = h
-            .as_ref()
-            .ok_or_else(|| PyRuntimeError::new_err("the router is not started"))?;
-        let (_, new) = h.state.registry.upsert(
-            &spec.url,
-            role,
-            zmq_address.or(spec.zmq),
-            source,
-            h.state.now_ms(),
-        );
-        Ok(new)
+        self.with_started(|h| {
+            let now = h.state.now_ms();
+            Ok(h.state
+                .registry
+                .upsert(&spec.url, role, zmq_address.or(spec.zmq), source, now)
+                .1)
+        })
     }
 
     /// Removes a node; returns how many entries went.
     fn deregister_node(&self, url: &str) -> PyResult<usize> {
-        let h = self
-            .handle
-            .lock()
-            .map_err(|_| PyRuntimeError::new_err("router lock poisoned"))?;
-        let h = h
-            .as_ref()
-            .ok_or_else(|| PyRuntimeError::new_err("the router is not started"))?;
-        Ok(h.state.registry.remove(url.trim_end_matches('/')).len())
+        self.with_started(|h| Ok(h.state.registry.remove(url.trim_end_matches('/')).len()))
     }
 
     /// Nodes as JSON (what `GET /admin/nodes` returns).
     fn nodes_json(&self) -> PyResult<String> {
-        let h = self
-            .handle
-            .lock()
-            .map_err(|_| PyRuntimeError::new_err("router lock poisoned"))?;
-        let h = h
-            .as_ref()
-            .ok_or_else(|| PyRuntimeError::new_err("the router is not started"))?;
-        Ok(ppd_server::admin::node_list(&h.state).to_string())
+        self.with_started(|h| Ok(ppd_server::admin::node_list(&h.state).to_string()))
     }
 }
 

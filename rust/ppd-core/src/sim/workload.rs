@@ -3,17 +3,7 @@
 use crate::Error;
 
 /// Turn-2 types as (name, new input tokens, output tokens), Section 4.2.
-pub const T2_WORKLOADS: [(&str, u32, u32); 9] = [
-    ("tiny", 16, 32),
-    ("short_gen", 32, 256),
-    ("long_gen", 32, 512),
-    ("very_long_gen", 64, 1024),
-    ("small_bal", 64, 64),
-    ("mid_bal", 128, 128),
-    ("mid_paste", 256, 64),
-    ("big_paste", 512, 64),
-    ("huge_paste", 1024, 32),
-];
+pub use crate::grid::PAPER_WORKLOADS as T2_WORKLOADS;
 
 /// Turn-1 contexts as (name, input tokens, output tokens).
 pub const T1_CONTEXTS: [(&str, u32, u32); 2] = [("small", 128, 128), ("large", 1024, 1024)];
