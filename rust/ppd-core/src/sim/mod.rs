@@ -44,6 +44,13 @@ pub struct SimConfig {
     pub w_ttft: f64,
     #[serde(default = "one")]
     pub w_tpot: f64,
+    /// Explicit conversations, each a list of per-turn `[n_in, n_out]` tokens
+    /// (Turn 1 first; later turns' `n_in` is the new input only). When given,
+    /// `workload` is only a label and `turns` is ignored: arrival `i` replays
+    /// conversation `i % len`. This is how generated and recorded workloads
+    /// (ShareGPT, WildChat-like) reach the simulator without I/O in this crate.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conversations: Option<Vec<Vec<[u32; 2]>>>,
 }
 
 fn default_duration() -> f64 {
@@ -72,6 +79,7 @@ impl SimConfig {
             turns: default_turns(),
             w_ttft: 1.0,
             w_tpot: 1.0,
+            conversations: None,
         }
     }
 }
@@ -107,6 +115,9 @@ pub struct SimResult {
     pub local_share: f64,
     pub total_requests: u64,
     pub failed_requests: u64,
+    /// Conversations that arrived.
+    #[serde(default)]
+    pub conversations: u64,
     /// Virtual seconds from the first arrival to the last completion.
     pub duration_s: f64,
 }
@@ -138,6 +149,8 @@ struct ReqInfo {
 #[derive(Debug, Clone, Default)]
 struct Conv {
     key: u64,
+    /// Index into `Sim::specs`.
+    spec: u32,
     arrival: f64,
     turn: u32,
     /// When the current turn's latency clock started (arrival for Turn 1, send for later).
@@ -224,7 +237,8 @@ impl Samples {
 struct Sim<'a> {
     cfg: &'a SimConfig,
     p: &'a Profile,
-    wl: Workload,
+    /// Per-turn (n_in, n_out) of each distinct conversation shape.
+    specs: Vec<Vec<(u32, u32)>>,
     router: DecisionEngine,
     qps: QpsEstimator,
     roles: Vec<LayoutRole>,
@@ -326,8 +340,8 @@ impl<'a> Sim<'a> {
         c.start = if c.turn == 1 { c.arrival } else { t };
         c.first_token = None;
         let turn = c.turn;
-        let (n_in, n_out) = if turn == 1 { self.wl.t1 } else { self.wl.t2 };
         let n_ctx = c.context;
+        let (n_in, n_out) = self.specs[c.spec as usize][turn as usize - 1];
         let prompt = n_ctx + n_in;
         let mut input = DecisionInput::turn(turn, n_in, n_out, n_ctx, self.qps.rate(t as u64));
         input.conv_hash = c.key;
@@ -517,7 +531,7 @@ impl<'a> Sim<'a> {
                         Stage::Prefill { d } => {
                             let c = &mut self.convs[conv as usize];
                             c.hold = Some((node, id));
-                            let (n_in, n_out) = if c.turn == 1 { self.wl.t1 } else { self.wl.t2 };
+                            let (n_in, n_out) = self.specs[c.spec as usize][c.turn as usize - 1];
                             let prompt = c.context + n_in;
                             let at = t + self.hop();
                             self.submit_at(
@@ -542,13 +556,13 @@ impl<'a> Sim<'a> {
                                 self.samples[idx].tpot.push((t - first) / (n - 1) as f64);
                             }
                             self.out_tokens += n as u64;
-                            let (n_in, _) = if turn == 1 { self.wl.t1 } else { self.wl.t2 };
+                            let (n_in, _) = self.specs[c.spec as usize][turn as usize - 1];
                             c.stable_tokens = c.context + n_in;
                             c.context += n_in + n;
                             c.cur = None;
                             self.last_done = self.last_done.max(t);
                             let _ = r.node;
-                            if turn < self.cfg.turns {
+                            if (turn as usize) < self.specs[c.spec as usize].len() {
                                 self.push(t, Ext::Send(conv));
                             } else {
                                 self.end_conversation(t, conv)?;
@@ -577,6 +591,7 @@ impl<'a> Sim<'a> {
             let key = mix64(self.cfg.seed.wrapping_mul(0x9E37) ^ (idx as u64 + 1));
             self.convs.push(Conv {
                 key,
+                spec: (idx as usize % self.specs.len()) as u32,
                 arrival: t,
                 ..Conv::default()
             });
@@ -634,9 +649,57 @@ impl<'a> Sim<'a> {
             },
             total_requests: self.sent,
             failed_requests: self.failed,
+            conversations: self.convs.len() as u64,
             duration_s: dur_ms / 1000.0,
         })
     }
+}
+
+/// The conversation shapes of a point: the explicit list, or the named synthetic
+/// workload with `turns` turns. Checks sizes against the engine's limits so a bad
+/// list is a clear error rather than a failed submit mid-run.
+fn conversation_specs(cfg: &SimConfig, profile: &Profile) -> Result<Vec<Vec<(u32, u32)>>, Error> {
+    let Some(list) = &cfg.conversations else {
+        let wl = Workload::by_name(&cfg.workload)?;
+        let mut turns = vec![wl.t1];
+        turns.resize(cfg.turns as usize, wl.t2);
+        return Ok(vec![turns]);
+    };
+    if list.is_empty() {
+        return Err(Error::Config("conversations: empty list".into()));
+    }
+    if list.len() > 1_000_000 {
+        return Err(Error::Config("conversations: more than 1,000,000".into()));
+    }
+    let mut specs = Vec::with_capacity(list.len());
+    for (i, conv) in list.iter().enumerate() {
+        if conv.is_empty() || conv.len() > 1024 {
+            return Err(Error::Config(format!(
+                "conversation {i}: needs 1–1024 turns, has {}",
+                conv.len()
+            )));
+        }
+        let mut context = 0u64;
+        for (k, &[n_in, n_out]) in conv.iter().enumerate() {
+            if n_in == 0 || n_out == 0 {
+                return Err(Error::Config(format!(
+                    "conversation {i} turn {}: n_in and n_out must be ≥ 1",
+                    k + 1
+                )));
+            }
+            context += n_in as u64 + n_out as u64;
+            if context > profile.max_model_len as u64 {
+                return Err(Error::Config(format!(
+                    "conversation {i} turn {}: context {context} tokens exceeds the engine's \
+                     max_model_len {} (cut long conversations, e.g. --max-context)",
+                    k + 1,
+                    profile.max_model_len
+                )));
+            }
+        }
+        specs.push(conv.iter().map(|&[a, b]| (a, b)).collect());
+    }
+    Ok(specs)
 }
 
 /// Runs one point. `table` is needed by the `ppd` policy only.
@@ -675,7 +738,7 @@ pub fn simulate(
             "qps × duration above 1,000,000 conversations".into(),
         ));
     }
-    let wl = Workload::by_name(&cfg.workload)?;
+    let specs = conversation_specs(cfg, profile)?;
     let roles = parse_layout(&cfg.deployment)?;
     let kind = PolicyKind::parse(&cfg.policy)?;
     let table = match (kind, table) {
@@ -716,7 +779,7 @@ pub fn simulate(
     let sim = Sim {
         cfg,
         p: profile,
-        wl,
+        specs,
         router,
         qps: QpsEstimator::new(10_000, 100)?,
         roles,

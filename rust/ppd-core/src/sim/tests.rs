@@ -173,3 +173,37 @@ fn a_client_whose_history_misses_the_cache_pays_for_the_last_answer() {
         hit.turn2plus.avg_ttft_ms
     );
 }
+
+#[test]
+fn explicit_conversations_run_their_own_turn_counts() {
+    // Three shapes of 1, 2 and 4 turns, replayed in arrival order.
+    let mut cfg = SimConfig::new("2P2pD", "local", "custom", 2.0);
+    cfg.conversations = Some(vec![
+        vec![[100, 20]],
+        vec![[50, 10], [20, 30]],
+        vec![[64, 16], [8, 8], [300, 40], [5, 5]],
+    ]);
+    let r = simulate(&cfg, &profile(), None).unwrap();
+    let n = r.conversations as usize;
+    assert!(n > 5);
+    let turns: usize = (0..n).map(|i| [1, 2, 4][i % 3]).sum();
+    assert_eq!(r.success_rate, 1.0);
+    assert_eq!(r.total_requests as usize, turns);
+    assert_eq!(r.turn1.count as usize, n);
+    assert_eq!((r.turn1.count + r.turn2plus.count) as usize, turns);
+}
+
+#[test]
+fn bad_conversation_lists_are_clear_errors() {
+    let mut cfg = SimConfig::new("2P2pD", "local", "custom", 2.0);
+    for (list, needle) in [
+        (vec![], "empty"),
+        (vec![vec![]], "1–1024 turns"),
+        (vec![vec![[0, 5]]], "must be ≥ 1"),
+        (vec![vec![[10_000, 10], [10_000, 10]]], "max_model_len"),
+    ] {
+        cfg.conversations = Some(list);
+        let e = simulate(&cfg, &profile(), None).unwrap_err().to_string();
+        assert!(e.contains(needle), "{e}");
+    }
+}
