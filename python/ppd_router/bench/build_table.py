@@ -11,8 +11,13 @@ rewritten (and validated by the Rust loader) after each completed cell.
 Context classes map to the synthetic Turn-1 sizes: ``small`` = Turn 1 128/128
 (Turn-2 context 256 + n_in), ``large`` = 1024/1024 (2048 + n_in); no synthetic
 workload reaches the ``huge`` class (> 4096), whose lookups fall back to
-``large`` as in the shipped H100 tables. Only the ``live`` backend exists
-here; the simulator backend comes with the simulator.
+``large`` as in the shipped H100 tables.
+
+``--backend simulate`` runs the same grid in the virtual-time simulator
+(``ppd-router simulate``): x = 0 is the deployment under policy ``pd``, x = 1
+under policy ``local``, so a deployment with P and pD nodes is needed. The whole
+default grid (2 × 9 × 10 cells × 2 paths) takes seconds; the log and resuming
+work as for the live backend.
 """
 
 from __future__ import annotations
@@ -88,13 +93,14 @@ def table_doc(
         "model": meta.get("model") or "",
         "hardware": meta.get("hardware") or "",
         "deployment": meta.get("deployment") or "",
-        "source": "measured",
+        "source": meta.get("source") or "measured",
         "created": meta.get("created") or "",
         "default_n_out": 128,
-        "provenance": {"builder": "ppd-router build-table --backend live",
+        "provenance": {"builder": f"ppd-router build-table --backend {meta.get('backend', 'live')}",
                        "skipped_points": skipped,
                        **{k: v for k, v in meta.items() if k not in ("model", "hardware",
-                                                                       "deployment", "created")}},
+                                                                       "deployment", "created",
+                                                                       "source", "backend")}},
         "axes": {
             "context_bins": CONTEXT_BINS,
             "workloads": [{"name": w, "n_in": T2_SETTINGS[w][0], "n_out": T2_SETTINGS[w][1]}
@@ -134,12 +140,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Run each grid cell's workload at x=0 and x=1 and write the measured "
         "Turn-2 TTFT/TPOT per cell as a ppd-table/1 file; resumable.",
     )
-    p.add_argument("--backend", choices=["live"], default="live",
-                   help="live: real HTTP endpoints (the simulator backend is not here yet)")
-    p.add_argument("--x0", required=True, metavar="URL",
-                   help="endpoint serving Turn 2+ through P (e.g. a router with policy pd)")
-    p.add_argument("--x1", required=True, metavar="URL",
-                   help="endpoint serving Turn 2+ locally (e.g. a router with policy local)")
+    p.add_argument("--backend", choices=["live", "simulate"], default="live",
+                   help="live: real HTTP endpoints --x0/--x1 (default); simulate: the virtual-time "
+                   "simulator on --deployment (policy pd for x=0, local for x=1)")
+    p.add_argument("--x0", metavar="URL",
+                   help="live: endpoint serving Turn 2+ through P (e.g. a router with policy pd)")
+    p.add_argument("--x1", metavar="URL",
+                   help="live: endpoint serving Turn 2+ locally (e.g. a router with policy local)")
+    p.add_argument("--profile", default=None,
+                   help="simulate: engine profile name or TOML path (default: built-in H100)")
     p.add_argument("--out", type=Path, required=True, help="ppd-table/1 file to write")
     p.add_argument("--log", type=Path, default=None,
                    help="measurement log for resuming (default OUT.runs.jsonl)")
@@ -153,18 +162,61 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None)
-    p.add_argument("--deployment", default="", help="e.g. 2P2pD (descriptive)")
+    p.add_argument("--deployment", default="",
+                   help="e.g. 2P2pD (descriptive for live; the simulated layout for simulate, "
+                   "which needs P and pD nodes)")
     p.add_argument("--hardware", default="", help="descriptive")
     p.add_argument("--quiet", action="store_true", help="no per-run line on stderr")
     p.set_defaults(func=run_command)
 
 
-def run_command(args: argparse.Namespace) -> int:
+def _fail(msg: str) -> int:
+    print(f"ppd-router build-table: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _simulated_layout(deployment: str) -> str:
+    """Checks that the layout can serve both paths; returns an error message or ''."""
+    from ppd_router import _core
+
+    if not deployment:
+        return "--backend simulate needs --deployment (e.g. 2P2pD)"
     try:
-        urls = {0: chat_url(args.x0), 1: chat_url(args.x1)}
-    except TargetError as e:
-        print(f"ppd-router build-table: error: {e}", file=sys.stderr)
-        return 2
+        roles = _core.parse_layout(deployment)
+    except ValueError as e:
+        return str(e)
+    if "P" not in roles or "pD" not in roles or "D" in roles or "R" in roles:
+        return (f"--deployment {deployment}: the simulated build needs P and pD nodes only "
+                "(x=0 is its pd path, x=1 its local path), e.g. 2P2pD")
+    return ""
+
+
+def _measure_simulated(args: argparse.Namespace, ctx: str, wl: str, q: float, x: int) -> dict[str, Any]:
+    """One simulated run, as a summary with the keys the live path reads."""
+    from ppd_router.simulate import simulate_point
+
+    r = simulate_point(deployment=args.deployment, policy="pd" if x == 0 else "local",
+                       workload=f"{CONTEXT_TO_T1[ctx]}_{wl}", qps=q, duration=args.duration,
+                       seed=args.seed, timeout=args.timeout, profile=args.profile)
+    fails = r["failed_requests"]
+    return {**r, "failures": {"timeout": fails} if fails else {}}
+
+
+def run_command(args: argparse.Namespace) -> int:
+    simulated = args.backend == "simulate"
+    if simulated:
+        if args.x0 or args.x1:
+            return _fail("--x0/--x1 are for --backend live")
+        if msg := _simulated_layout(args.deployment):
+            return _fail(msg)
+        urls = {0: f"simulate:{args.deployment}:pd", 1: f"simulate:{args.deployment}:local"}
+    else:
+        if not args.x0 or not args.x1:
+            return _fail("--backend live needs --x0 URL and --x1 URL")
+        try:
+            urls = {0: chat_url(args.x0), 1: chat_url(args.x1)}
+        except TargetError as e:
+            return _fail(str(e))
     if not args.duration > 0 or not args.timeout > 0:
         print("ppd-router build-table: error: --duration and --timeout must be positive",
               file=sys.stderr)
@@ -175,19 +227,25 @@ def run_command(args: argparse.Namespace) -> int:
     meta = {"model": args.model, "hardware": args.hardware, "deployment": args.deployment,
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "x0_target": urls[0], "x1_target": urls[1], "duration_s": args.duration,
-            "timeout_s": args.timeout, "seed": args.seed}
+            "timeout_s": args.timeout, "seed": args.seed, "backend": args.backend,
+            "source": "simulated" if simulated else "measured"}
+    if simulated:
+        meta["profile"] = args.profile or "default"
     if not args.quiet:
         print(f"build-table: {len(todo)} runs to do, {len(measured)} already in {log}",
               file=sys.stderr)
     for i, (ctx, wl, q, x) in enumerate(todo, 1):
-        workload = SyntheticWorkload(CONTEXT_TO_T1[ctx], wl, turns=2, seed=args.seed)
-        cfg = BenchConfig(target=urls[x], workload=workload, qps=q, duration=args.duration,
-                          timeout=args.timeout, seed=args.seed, model=args.model)
         try:
-            summary = run(cfg).summary
+            if simulated:
+                summary = _measure_simulated(args, ctx, wl, q, x)
+            else:
+                workload = SyntheticWorkload(CONTEXT_TO_T1[ctx], wl, turns=2, seed=args.seed)
+                cfg = BenchConfig(target=urls[x], workload=workload, qps=q,
+                                  duration=args.duration, timeout=args.timeout, seed=args.seed,
+                                  model=args.model)
+                summary = run(cfg).summary
         except TargetError as e:
-            print(f"ppd-router build-table: error: {e}", file=sys.stderr)
-            return 2
+            return _fail(str(e))
         m = cell_measurement(summary)
         entry = {"context": ctx, "workload": wl, "qps": q, "x": x, "measurement": m,
                  "success_rate": summary["success_rate"], "failures": summary["failures"]}
