@@ -1,7 +1,8 @@
 //! The per-request path: identity → features → policy → orchestration → streaming relay → bookkeeping, once, in that order.
 
 use axum::body::{Body, Bytes};
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use futures_util::{Stream, StreamExt};
 use std::borrow::Cow;
@@ -61,8 +62,9 @@ pub struct Counted;
 /// Which OpenAI endpoint a request came in on (and goes out to).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Endpoint {
-    Chat,
-    Completions,
+    // The discriminants index `Node::endpoint_urls`.
+    Chat = 0,
+    Completions = 1,
 }
 
 impl Endpoint {
@@ -70,6 +72,15 @@ impl Endpoint {
         match self {
             Endpoint::Chat => "/v1/chat/completions",
             Endpoint::Completions => "/v1/completions",
+        }
+    }
+
+    /// A POST to this endpoint on `node`, from the URL the registry parsed once.
+    fn post(self, client: &reqwest::Client, node: &Node) -> reqwest::RequestBuilder {
+        match &node.endpoint_urls {
+            Some(urls) => client.post(urls[self as usize].clone()),
+            // Unparseable: the client reports why when the request is sent.
+            None => client.post(format!("{}{}", node.url, self.path())),
         }
     }
 }
@@ -157,17 +168,19 @@ impl Ticket {
 
 fn now_route_headers(resp: &mut Response, route: &Route, conv: &str, node: &Node) {
     resp.extensions_mut().insert(Counted);
+    // Names as constants: a `&str` name is parsed on every insert.
+    const PATH: HeaderName = HeaderName::from_static("x-ppd-path");
+    const REASON: HeaderName = HeaderName::from_static("x-ppd-reason");
+    const SESSION: HeaderName = HeaderName::from_static("x-ppd-session");
+    const NODE: HeaderName = HeaderName::from_static("x-ppd-node");
     let h = resp.headers_mut();
-    h.insert("x-ppd-path", HeaderValue::from_static(route.path.as_str()));
-    h.insert(
-        "x-ppd-reason",
-        HeaderValue::from_static(route.reason.as_str()),
-    );
+    h.insert(PATH, HeaderValue::from_static(route.path.as_str()));
+    h.insert(REASON, HeaderValue::from_static(route.reason.as_str()));
     if let Ok(v) = HeaderValue::from_str(conv) {
-        h.insert("x-ppd-session", v);
+        h.insert(SESSION, v);
     }
-    if let Ok(v) = HeaderValue::from_str(&node.url) {
-        h.insert("x-ppd-node", v);
+    if let Some(v) = &node.url_header {
+        h.insert(NODE, v.clone());
     }
 }
 
@@ -176,6 +189,13 @@ fn now_route_headers(resp: &mut Response, route: &Route, conv: &str, node: &Node
 fn usage_edit<'a>(text: &str, view: &RequestView<'_>) -> Option<Edit<'a>> {
     if !view.is_stream() || view.wants_usage() {
         return None;
+    }
+    if view.stream_options.is_none() {
+        // The usual case: no options to keep, so no second parse of the body.
+        return Some(Edit::Set(
+            "stream_options",
+            Cow::Borrowed(r#"{"include_usage":true}"#),
+        ));
     }
     #[derive(serde::Deserialize)]
     struct Opts {
@@ -595,12 +615,10 @@ impl Request<'_> {
         }
         let body = rewrite(self.text, &edits)
             .map_err(|e| PrefillError::Retryable(format!("body rewrite: {e}")))?;
-        let url = format!("{}{}", p.url, self.endpoint.path());
         let send = self
-            .st
-            .client
-            .post(&url)
-            .header("content-type", "application/json")
+            .endpoint
+            .post(&self.st.client, p)
+            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
             .header("x-request-id", request_id)
             .body(body)
             .send();
@@ -688,12 +706,10 @@ impl Request<'_> {
             }
         };
         let guard = InflightGuard::new(Arc::clone(&d));
-        let url = format!("{}{}", d.url, self.endpoint.path());
         let mut req = self
-            .st
-            .client
-            .post(&url)
-            .header("content-type", "application/json")
+            .endpoint
+            .post(&self.st.client, &d)
+            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
             .body(body);
         if let Some(rid) = &request_id {
             req = req.header("x-request-id", rid);
@@ -764,12 +780,10 @@ impl Request<'_> {
                 _guard: guard,
             };
             let mut r = Response::new(Body::from_stream(relay));
-            r.headers_mut().insert(
-                "content-type",
-                HeaderValue::from_static("text/event-stream"),
-            );
             r.headers_mut()
-                .insert("cache-control", HeaderValue::from_static("no-cache"));
+                .insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+            r.headers_mut()
+                .insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
             r
         } else {
             let bytes = match tokio::time::timeout(timeout, resp.bytes()).await {
@@ -850,33 +864,42 @@ fn sse_error(message: &str) -> Bytes {
 }
 
 impl Relay {
-    /// Events ready to send from what has been buffered.
-    fn drain(&mut self, out: &mut Vec<u8>) {
-        while let Some(ev) = self.splitter.next_event() {
-            match classify(&ev) {
+    /// Events ready to send from what has been buffered (without a copy
+    /// unless the router's own usage chunk has to be cut out).
+    fn drain(&mut self) -> Option<Bytes> {
+        let Relay {
+            splitter,
+            drop_usage,
+            usage,
+            first_token,
+            ticket,
+            ..
+        } = self;
+        splitter.take_events(|ev| {
+            match classify(ev) {
                 EventKind::UsageOnly(u) => {
-                    self.usage = Some(u);
-                    if self.drop_usage {
-                        continue;
+                    *usage = Some(u);
+                    if *drop_usage {
+                        return false;
                     }
                 }
-                EventKind::Data { usage } => {
-                    if self.first_token.is_none() {
-                        self.first_token = Some(Instant::now());
+                EventKind::Data { usage: u } => {
+                    if first_token.is_none() {
+                        *first_token = Some(Instant::now());
                     }
-                    if usage.is_some() {
-                        self.usage = usage;
+                    if u.is_some() {
+                        *usage = u;
                     }
                 }
                 EventKind::Error => {
-                    if let Some(t) = &self.ticket {
+                    if let Some(t) = ticket.as_ref() {
                         t.state.registry.record_failure(&t.d, t.state.now_ms());
                     }
                 }
                 EventKind::Done | EventKind::Other => {}
             }
-            out.extend_from_slice(&ev);
-        }
+            true
+        })
     }
 
     fn fail(&mut self, message: &str, kind: &'static str) -> Bytes {
@@ -910,10 +933,8 @@ impl Stream for Relay {
                 Poll::Ready(Some(Ok(chunk))) => {
                     this.sleep = None;
                     this.splitter.push(&chunk);
-                    let mut out = Vec::new();
-                    this.drain(&mut out);
-                    if !out.is_empty() {
-                        return Poll::Ready(Some(Ok(Bytes::from(out))));
+                    if let Some(out) = this.drain() {
+                        return Poll::Ready(Some(Ok(out)));
                     }
                 }
                 Poll::Ready(Some(Err(e))) => {

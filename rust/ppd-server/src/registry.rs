@@ -67,6 +67,12 @@ pub struct Node {
     pub sessions: AtomicU32,
     pub served: AtomicU64,
     pub failed: AtomicU64,
+    /// `{url}/v1/chat/completions` and `{url}/v1/completions`, parsed once:
+    /// parsing a URL per request cost more than building the rest of it.
+    /// `None` when the URL does not parse (the request then reports why).
+    pub endpoint_urls: Option<[reqwest::Url; 2]>,
+    /// The `x-ppd-node` response header, built once.
+    pub url_header: Option<axum::http::HeaderValue>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -112,6 +118,12 @@ impl Node {
     pub fn inflight(&self) -> u32 {
         self.inflight.load(Ordering::Acquire)
     }
+}
+
+fn endpoint_urls(base: &str) -> Option<[reqwest::Url; 2]> {
+    let chat = reqwest::Url::parse(&format!("{base}/v1/chat/completions")).ok()?;
+    let completions = reqwest::Url::parse(&format!("{base}/v1/completions")).ok()?;
+    Some([chat, completions])
 }
 
 /// Holds a node's in-flight count up while a request uses it.
@@ -194,6 +206,8 @@ impl Registry {
             sessions: AtomicU32::new(0),
             served: AtomicU64::new(0),
             failed: AtomicU64::new(0),
+            endpoint_urls: endpoint_urls(url),
+            url_header: axum::http::HeaderValue::from_str(url).ok(),
         });
         let mut next = (*cur).clone();
         next.push(Arc::clone(&node));

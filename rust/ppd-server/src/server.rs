@@ -5,6 +5,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use axum::{Json, Router};
 use std::future::Future;
 use std::net::SocketAddr;
@@ -223,6 +224,14 @@ pub async fn run(
     if let Some(tx) = ready {
         let _ = tx.send(Arc::clone(&state));
     }
+    // Small SSE chunks must leave at once: without TCP_NODELAY a chunk written
+    // while the response head is still unacknowledged waits for the client's
+    // (delayed) ACK. The upstream side sets it in the HTTP client.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!("TCP_NODELAY on an accepted socket: {e}");
+        }
+    });
     let served = axum::serve(listener, app(state))
         .with_graceful_shutdown(shutdown)
         .await;
@@ -240,6 +249,15 @@ pub async fn bind(host: &str, port: u16) -> Result<tokio::net::TcpListener, Serv
         .map_err(|e| ServerError::Config(format!("cannot listen on {addr}: {e}")))
 }
 
+/// The router's runtime: `worker_threads` workers, or one per core.
+fn runtime(cfg: &RouterConfig) -> Result<tokio::runtime::Runtime, ServerError> {
+    let mut b = tokio::runtime::Builder::new_multi_thread();
+    if cfg.worker_threads > 0 {
+        b.worker_threads(cfg.worker_threads);
+    }
+    b.enable_all().build().map_err(ServerError::Io)
+}
+
 /// A router on a runtime thread of its own (for embedding and the Python API).
 pub struct RouterHandle {
     pub addr: SocketAddr,
@@ -253,10 +271,7 @@ impl RouterHandle {
     pub fn start(cfg: RouterConfig) -> Result<RouterHandle, ServerError> {
         cfg.validate()
             .map_err(|e| ServerError::Config(e.to_string()))?;
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .enable_all()
-            .build()
-            .map_err(ServerError::Io)?;
+        let rt = runtime(&cfg)?;
         let listener = rt.block_on(bind(&cfg.host, cfg.port))?;
         let addr = listener.local_addr().map_err(ServerError::Io)?;
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -319,10 +334,7 @@ impl Drop for RouterHandle {
 
 /// Runs in the foreground until SIGINT or SIGTERM.
 pub fn serve_blocking(cfg: RouterConfig) -> Result<(), ServerError> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .map_err(ServerError::Io)?;
+    let rt = runtime(&cfg)?;
     rt.block_on(async move {
         let listener = bind(&cfg.host, cfg.port).await?;
         let addr = listener.local_addr().map_err(ServerError::Io)?;

@@ -2,6 +2,7 @@
 
 use bytes::{Bytes, BytesMut};
 use serde::Deserialize;
+use std::borrow::Cow;
 
 /// Token usage as vLLM reports it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -37,20 +38,58 @@ pub enum EventKind {
     Other,
 }
 
+/// Whether `data` holds `"choices"` but neither `"usage"` nor `"error"`.
+/// The searchers are built once: building one costs more than a search.
+fn plain_token_chunk(data: &[u8]) -> bool {
+    use memchr::memmem::Finder;
+    use std::sync::LazyLock;
+    static CHOICES: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"choices\""));
+    static USAGE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"usage\""));
+    static ERROR: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"error\""));
+    CHOICES.find(data).is_some() && USAGE.find(data).is_none() && ERROR.find(data).is_none()
+}
+
+/// The data of an event that is one `data:` line and its blank line, the
+/// shape of (nearly) every event vLLM sends.
+fn single_data_line(event: &[u8]) -> Option<&[u8]> {
+    let rest = event.strip_prefix(b"data:")?;
+    let rest = rest.strip_prefix(b" ").unwrap_or(rest);
+    let data = rest.strip_suffix(b"\n\n")?;
+    memchr::memchr2(b'\n', b'\r', data)
+        .is_none()
+        .then_some(data)
+}
+
 pub fn classify(event: &[u8]) -> EventKind {
     let text = match std::str::from_utf8(event) {
         Ok(t) => t,
         Err(_) => return EventKind::Other,
     };
-    let mut data = String::new();
-    for line in text.lines() {
-        if let Some(rest) = line.strip_prefix("data:") {
-            if !data.is_empty() {
-                data.push('\n');
-            }
-            data.push_str(rest.strip_prefix(' ').unwrap_or(rest));
+    // Token chunks are most of a stream: one without "usage" or "error" in it
+    // needs no JSON parse (nor line splitting) to be known as data.
+    if let Some(data) = single_data_line(event) {
+        if data.trim_ascii_start().starts_with(b"{") && plain_token_chunk(data) {
+            return EventKind::Data { usage: None };
         }
     }
+    // The data lines, joined by newlines; an event almost always has exactly
+    // one, which is borrowed rather than copied.
+    let mut lines = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data:"))
+        .map(|rest| rest.strip_prefix(' ').unwrap_or(rest));
+    let data: Cow<'_, str> = match (lines.next(), lines.next()) {
+        (None, _) => return EventKind::Other,
+        (Some(one), None) => Cow::Borrowed(one),
+        (Some(a), Some(b)) => {
+            let mut s = format!("{a}\n{b}");
+            for rest in lines {
+                s.push('\n');
+                s.push_str(rest);
+            }
+            Cow::Owned(s)
+        }
+    };
     let data = data.trim();
     if data.is_empty() {
         return EventKind::Other;
@@ -58,13 +97,8 @@ pub fn classify(event: &[u8]) -> EventKind {
     if data == "[DONE]" {
         return EventKind::Done;
     }
-    // Token chunks are most of a stream: one without "usage" or "error" in it
-    // needs no JSON parse to be known as data.
-    if data.starts_with('{')
-        && data.contains("\"choices\"")
-        && !data.contains("\"usage\"")
-        && !data.contains("\"error\"")
-    {
+    // Multi-line data, or a first line with odd spacing: the same test.
+    if data.starts_with('{') && plain_token_chunk(data.as_bytes()) {
         return EventKind::Data { usage: None };
     }
     match serde_json::from_str::<ChunkView>(data) {
@@ -81,16 +115,24 @@ pub fn classify(event: &[u8]) -> EventKind {
 #[derive(Default)]
 pub struct EventSplitter {
     buf: BytesMut,
+    /// No event boundary ends before this offset of `buf` (already searched),
+    /// so an event arriving in many chunks is not searched from its start each time.
+    searched: usize,
 }
 
-fn find_boundary(b: &[u8]) -> Option<usize> {
-    // Events end at a blank line: "\n\n" or "\r\n\r\n".
-    let lf = b.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
-    let crlf = b.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4);
-    match (lf, crlf) {
-        (Some(a), Some(c)) => Some(a.min(c)),
-        (a, c) => a.or(c),
-    }
+/// End (exclusive) of the first blank line at or after `from`: "\n\n" or "\r\n\r\n".
+/// One pass over the line feeds, so a buffer of many events costs its length once.
+fn find_boundary(b: &[u8], from: usize) -> Option<usize> {
+    let from = from.min(b.len());
+    memchr::memchr_iter(b'\n', &b[from..])
+        .map(|i| i + from)
+        .find_map(|i| match b.get(i + 1) {
+            Some(b'\n') => Some(i + 2),
+            Some(b'\r') if i > 0 && b[i - 1] == b'\r' && b.get(i + 2) == Some(&b'\n') => {
+                Some(i + 3)
+            }
+            _ => None,
+        })
 }
 
 impl EventSplitter {
@@ -98,14 +140,56 @@ impl EventSplitter {
         self.buf.extend_from_slice(chunk);
     }
 
+    /// Where the next complete event ends, searching from `at`.
+    fn boundary_from(&mut self, at: usize) -> Option<usize> {
+        let found = find_boundary(&self.buf, self.searched.max(at));
+        if found.is_none() {
+            // A boundary straddling the end needs at most 3 earlier bytes.
+            self.searched = self.buf.len().saturating_sub(3);
+        }
+        found
+    }
+
     /// The next complete event, if the buffer holds one.
     pub fn next_event(&mut self) -> Option<Bytes> {
-        let end = find_boundary(&self.buf)?;
+        let end = self.boundary_from(0)?;
+        self.searched = 0;
         Some(self.buf.split_to(end).freeze())
+    }
+
+    /// All complete events in the buffer for which `keep` says yes, as one
+    /// buffer. When every event is kept (a stream's usual chunk) the bytes are
+    /// handed on without a copy. `None` when nothing is to be sent.
+    pub fn take_events(&mut self, mut keep: impl FnMut(&[u8]) -> bool) -> Option<Bytes> {
+        let mut end = 0;
+        let mut dropped: Vec<(usize, usize)> = Vec::new();
+        while let Some(next) = self.boundary_from(end) {
+            if !keep(&self.buf[end..next]) {
+                dropped.push((end, next));
+            }
+            end = next;
+        }
+        if end == 0 {
+            return None;
+        }
+        self.searched = self.searched.saturating_sub(end);
+        let all = self.buf.split_to(end).freeze();
+        if dropped.is_empty() {
+            return Some(all);
+        }
+        let mut out = BytesMut::with_capacity(end);
+        let mut at = 0;
+        for (a, b) in dropped {
+            out.extend_from_slice(&all[at..a]);
+            at = b;
+        }
+        out.extend_from_slice(&all[at..]);
+        (!out.is_empty()).then(|| out.freeze())
     }
 
     /// Whatever is left when the stream ends (an unterminated last event).
     pub fn take_rest(&mut self) -> Option<Bytes> {
+        self.searched = 0;
         (!self.buf.is_empty()).then(|| self.buf.split().freeze())
     }
 }
@@ -155,5 +239,138 @@ mod tests {
         s.push(b"data: [DONE]\r\n\r\nrest");
         assert_eq!(classify(&s.next_event().unwrap()), EventKind::Done);
         assert_eq!(&s.take_rest().unwrap()[..], b"rest");
+    }
+
+    #[test]
+    fn take_events_hands_whole_events_on_and_cuts_only_the_dropped_one() {
+        let mut s = EventSplitter::default();
+        s.push(b"data: {\"choices\":[1]}\n\ndata: {\"choices\":[],\"usage\":{}}\n\ndata: [DO");
+        let out = s
+            .take_events(|ev| !ev.starts_with(b"data: {\"choices\":[]"))
+            .unwrap();
+        assert_eq!(&out[..], b"data: {\"choices\":[1]}\n\n");
+        assert!(s.take_events(|_| true).is_none());
+        s.push(b"NE]\n");
+        assert!(s.take_events(|_| true).is_none());
+        s.push(b"\n");
+        assert_eq!(&s.take_events(|_| true).unwrap()[..], b"data: [DONE]\n\n");
+        s.push(b"data: x\n\n");
+        assert!(s.take_events(|_| false).is_none());
+        assert!(s.take_rest().is_none());
+    }
+
+    /// The splitter and classifier before they were tuned, as references.
+    fn boundary_reference(b: &[u8]) -> Option<usize> {
+        let lf = b.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
+        let crlf = b.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4);
+        match (lf, crlf) {
+            (Some(a), Some(c)) => Some(a.min(c)),
+            (a, c) => a.or(c),
+        }
+    }
+
+    fn classify_reference(event: &[u8]) -> EventKind {
+        let Ok(text) = std::str::from_utf8(event) else {
+            return EventKind::Other;
+        };
+        let mut data = String::new();
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("data:") {
+                if !data.is_empty() {
+                    data.push('\n');
+                }
+                data.push_str(rest.strip_prefix(' ').unwrap_or(rest));
+            }
+        }
+        let data = data.trim();
+        if data.is_empty() {
+            return EventKind::Other;
+        }
+        if data == "[DONE]" {
+            return EventKind::Done;
+        }
+        if data.starts_with('{')
+            && data.contains("\"choices\"")
+            && !data.contains("\"usage\"")
+            && !data.contains("\"error\"")
+        {
+            return EventKind::Data { usage: None };
+        }
+        match serde_json::from_str::<ChunkView>(data) {
+            Ok(c) if c.error.is_some() => EventKind::Error,
+            Ok(c) => match (c.choices.as_ref().map(Vec::len), c.usage) {
+                (Some(0), Some(u)) => EventKind::UsageOnly(u),
+                (_, usage) => EventKind::Data { usage },
+            },
+            Err(_) => EventKind::Other,
+        }
+    }
+
+    fn piece() -> impl proptest::strategy::Strategy<Value = &'static str> {
+        proptest::sample::select(vec![
+            "data:",
+            "data: ",
+            " ",
+            "\n",
+            "\r",
+            "\r\n",
+            "\n\n",
+            "{",
+            "}",
+            "[",
+            "]",
+            ",",
+            ":",
+            "\"choices\"",
+            "\"usage\"",
+            "\"error\"",
+            "\"x\"",
+            "1",
+            "null",
+            "{\"prompt_tokens\":3,\"completion_tokens\":2}",
+            "[DONE]",
+            "é",
+            "event: e",
+        ])
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2000))]
+        #[test]
+        fn splitting_and_classifying_match_the_references(
+            parts in proptest::collection::vec(piece(), 0..24),
+            cut in 0usize..200,
+        ) {
+            let all: Vec<u8> = parts.concat().into_bytes();
+            // The same events, whether the bytes come in one chunk or two.
+            let mut expect = Vec::new();
+            let mut rest: &[u8] = &all;
+            while let Some(end) = boundary_reference(rest) {
+                expect.push(rest[..end].to_vec());
+                rest = &rest[end..];
+            }
+            let mut s = EventSplitter::default();
+            let cut = cut.min(all.len());
+            s.push(&all[..cut]);
+            let mut got = Vec::new();
+            while let Some(e) = s.next_event() {
+                got.push(e.to_vec());
+            }
+            s.push(&all[cut..]);
+            if let Some(b) = s.take_events(|_| true) {
+                let mut b: &[u8] = &b;
+                while let Some(end) = boundary_reference(b) {
+                    got.push(b[..end].to_vec());
+                    b = &b[end..];
+                }
+            }
+            proptest::prop_assert_eq!(&got, &expect);
+            proptest::prop_assert_eq!(s.take_rest().map(|b| b.to_vec()).unwrap_or_default(), rest.to_vec());
+            for e in &expect {
+                proptest::prop_assert_eq!(classify(e), classify_reference(e));
+            }
+            proptest::prop_assert_eq!(classify(&all), classify_reference(&all));
+
+        }
     }
 }
