@@ -96,7 +96,7 @@ def main() -> int:
         for d, pol, t in modes for w in list(workloads) + ["sharegpt", "wildchat-like"]
         for q in QPS_1_20]
     heavy = [f"{c}_{t}" for c in ("small", "large") for t in ("mid_paste", "big_paste", "huge_paste")]
-    wt = [("pd", 1.0), ("local", 1.0)] + [("ppd", w) for w in (0.25, 0.5, 1, 2, 3, 6, 12)]
+    wt = [("pd", 1.0), ("local", 1.0)] + [("ppd", w) for w in (0.5, 1, 3, 6, 12, 20, 30, 50)]
     sweeps["wtpot"] = [
         {"deployment": "1P_3pD", "policy": pol, "w_tpot": float(w), "workload": wl,
          "qps": float(q), "table": LAYOUTS["1P_3pD"] if pol == "ppd" else None}

@@ -488,13 +488,17 @@ def plot_wtpot(points: list[dict[str, Any]], path: Path, title: str) -> bool:
     fig, axes = plt.subplots(1, len(qs), figsize=(5.5 * len(qs), 4), squeeze=False)
     for ax, q in zip(axes[0], qs):
         ps = [p for p in points if p["qps"] == q]
+        # Points that coincide (e.g. every w_tpot that keeps 100 % local) share one label.
+        spots: dict[tuple[float, float], list[dict[str, Any]]] = defaultdict(list)
         for p in ps:
-            lab = p["policy"] if p["policy"] != "ppd" else f"w_tpot={p['w_tpot']:g}"
-            share = "" if p["local_share"] is None else f" ({100 * p['local_share']:.0f} % local)"
-            col = {"pd": "tab:blue", "local": "tab:orange"}.get(p["policy"], "tab:green")
-            ax.scatter(p["tpot_ms"], p["ttft_ms"], color=col, zorder=3)
-            ax.annotate(lab + share, (p["tpot_ms"], p["ttft_ms"]), fontsize=7, xytext=(3, 3),
-                        textcoords="offset points")
+            spots[(round(p["tpot_ms"], 2), round(p["ttft_ms"], 1))].append(p)
+        for (x, y), group in spots.items():
+            names = [g["policy"] if g["policy"] != "ppd" else f"w_tpot={g['w_tpot']:g}" for g in group]
+            share = group[0]["local_share"]
+            label = ", ".join(names) + ("" if share is None else f" ({100 * share:.0f} % local)")
+            col = {"pd": "tab:blue", "local": "tab:orange"}.get(group[0]["policy"], "tab:green")
+            ax.scatter(x, y, color=col, zorder=3)
+            ax.annotate(label, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
         ppd = sorted((p for p in ps if p["policy"] == "ppd"), key=lambda p: p["w_tpot"])
         ax.plot([p["tpot_ms"] for p in ppd], [p["ttft_ms"] for p in ppd], "g-", lw=0.8)
         ax.set_xlabel("Turn-2+ mean TPOT (ms)")
@@ -526,11 +530,14 @@ def build_report(inputs: Sequence[Path], out_dir: Path, paper_sweep: Optional[Pa
     parts = [f"# ppd-router report\n\nInputs: {', '.join(str(p) for p in inputs)} "
              f"({len(rows)} rows).\n"]
     synth = [r for r in main_rows if r.workload.startswith(("small_", "large_"))]
-    parts.append("## Table 1: Turn-2 TTFT change from x=0 to x=1 (mean over workloads × QPS in the band)\n")
-    parts.append(md_table1(table1(synth)) + "\n")
+    t1 = table1(synth)
+    if t1:
+        parts.append("## Table 1: Turn-2 TTFT change from x=0 to x=1 (mean over workloads × QPS in the band)\n")
+        parts.append(md_table1(t1) + "\n")
     t2, n2 = table2(synth)
-    parts.append("## Table 2: winner distribution per objective (synthetic workloads)\n")
-    parts.append(md_table2(t2, n2) + "\n")
+    if n2:
+        parts.append("## Table 2: winner distribution per objective (synthetic workloads)\n")
+        parts.append(md_table2(t2, n2) + "\n")
     for wl in named:
         t3, n3 = table3(main_rows, wl)
         if n3:
