@@ -237,7 +237,8 @@ fn default_table(deployment: &str) -> PyResult<(&'static str, ppd_core::Table)> 
 }
 
 /// Runs one simulated point. `config_json` holds SimConfig's fields (deployment,
-/// policy, workload, qps, duration_s, seed, timeout_s, turns, w_ttft, w_tpot);
+/// policy, workload, qps, duration_s, seed, timeout_s, turns, w_ttft, w_tpot, and
+/// optionally conversations: per-turn [n_in, n_out] lists that replace the named workload);
 /// `table` is a path or `builtin:h100-2P2pD` (default for `ppd`: nearest P:D ratio).
 /// Returns the result as JSON (with `table` naming the table used, if any).
 #[pyfunction]
