@@ -127,7 +127,12 @@ def roles(config: str) -> dict[str, int]:
 
 
 def canonical(config: str) -> str:
-    """``1P3pD`` → ``1P_3pD``; the order P, D, pD, R is kept as written."""
+    """``1P3pD`` → ``1P_3pD``; the order P, D, pD, R is kept as written. A name that is not a
+    layout is kept as it is, so the error that classifying it raises names it."""
+    try:
+        roles(config)
+    except ReportError:
+        return config
     return "_".join(m.group(0) for m in _ROLE.finditer(config.replace("_", "")))
 
 

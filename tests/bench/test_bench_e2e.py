@@ -212,3 +212,15 @@ def test_think_time_separates_turns_and_missing_usage_falls_back_to_word_rule():
     for turns in by_conv.values():
         first, second = turns[1], turns[2]
         assert second.start >= first.start + first.e2e + 0.9 * think
+
+
+def test_out_file_carries_meta_that_the_report_reads(result):
+    from ppd_router.report import load_rows
+
+    _, summary, out, _, _ = result
+    meta = summary["meta"]
+    assert (meta["deployment"], meta["workload"], meta["qps"]) == ("stub", "small_mid_bal", QPS)
+    (row,) = load_rows(out)
+    assert (row.workload, row.qps) == ("small_mid_bal", QPS)
+    assert row.t2_avg_ttft == summary["turn2plus"]["avg_ttft_ms"]
+    assert row.success_rate == summary["success_rate"]

