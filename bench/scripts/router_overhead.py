@@ -13,6 +13,8 @@ TTFT = request handed to the HTTP client -> first SSE body chunk) against each t
   vllm_pd_t1    Turn-1 body through vllm-router (PD mode: P then D)
   direct_t2     Turn-2 body (with history) straight to the pD node
   ppd_local_t2  Turn-2 body through ppd-router, sessions primed by a Turn 1 (path local)
+  b_pd_t1, b_local_t2   the same through a second ppd-router build, with --router-b (an A/B of
+                two builds in one run: e.g. the serve_toml example built from another commit)
 
 and reports p50/p99 TTFT, the added TTFT of each routed target over its baseline (the
 difference of the percentiles, median over repetitions), the CPU each process used, and
@@ -24,7 +26,12 @@ per-request timeout and wall time; every process started here is stopped at the 
     python bench/scripts/router_overhead.py --rates 500 2000 --duration 10 --reps 3 \
         --ramp 2000 3000 4000 5000 6000 8000 --out /tmp/overhead.json
     python bench/scripts/router_overhead.py --report /tmp/overhead.json     # tables again
+    # before/after: the serve_toml example of another build next to this one, same nodes, same run
+    python bench/scripts/router_overhead.py --router-b /tmp/base/target/release/examples/serve_toml \
+        --targets direct_t2 ppd_local_t2 b_local_t2 --rates 500 --ramp
     python bench/scripts/router_overhead.py --python-probe 3 500 1000 2000  # can aiohttp drive it?
+    # user-space instructions per request (valgrind callgrind), for each router build given
+    python bench/scripts/router_overhead.py --instructions 470 target/release/examples/serve_toml [OTHER_BUILD...]
 
 The load generator is built on first use (cargo --offline, into target/loadgen). vllm-router
 comes from its own venv: python -m venv .venv-bench && .venv-bench/bin/pip install vllm-router.
@@ -53,7 +60,9 @@ PROFILE = ROOT / "tables" / "engine-zero.toml"
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 WARMUP = 200  # the loadgen's default --warmup: sequential requests before the measured arrivals
 
-TARGETS = ["direct_t1", "client_pd_t1", "ppd_pd_t1", "vllm_pd_t1", "direct_t2", "ppd_local_t2"]
+TARGETS = ["direct_t1", "client_pd_t1", "ppd_pd_t1", "vllm_pd_t1", "b_pd_t1", "direct_t2", "ppd_local_t2",
+           "b_local_t2"]
+ROUTER_OF = {"ppd_pd_t1": "ppd", "ppd_local_t2": "ppd", "vllm_pd_t1": "vllm", "b_pd_t1": "b", "b_local_t2": "b"}
 # (routed target, baseline): the added TTFT reported.
 PAIRS = [
     ("ppd_pd_t1", "direct_t1"),
@@ -62,6 +71,8 @@ PAIRS = [
     ("vllm_pd_t1", "client_pd_t1"),
     ("client_pd_t1", "direct_t1"),
     ("ppd_local_t2", "direct_t2"),
+    ("b_pd_t1", "client_pd_t1"),
+    ("b_local_t2", "direct_t2"),
 ]
 
 
@@ -198,22 +209,28 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=5.0, help="per-request limit, s")
     ap.add_argument("--loadgen-threads", type=int, default=1)
     ap.add_argument("--vllm-router", default=str(ROOT / ".venv-bench" / "bin" / "vllm-router"))
+    ap.add_argument("--router-b", help="a second router build, run as `ROUTER_B CONFIG.toml` (the serve_toml "
+                    "example of ppd-server) with the same settings; measured as the b_* targets")
+    ap.add_argument("--ppd-setting", action="append", default=[], metavar="KEY=TOML_VALUE",
+                    help="extra setting for ppd-router serve (not router B), e.g. worker_threads=1")
     ap.add_argument("--out", help="write all raw summaries here (JSON)")
     args = ap.parse_args()
 
     build_loadgen()
     ppd = str(Path(sys.executable).parent / "ppd-router")
     have_vllm = Path(args.vllm_router).exists()
-    targets = [t for t in args.targets if have_vllm or not t.startswith("vllm")]
+    targets = [t for t in args.targets if (have_vllm or not t.startswith("vllm"))
+               and (args.router_b or not t.startswith("b_"))]
     tmp = Path(tempfile.mkdtemp(prefix="router-overhead-"))
     t1, t2 = bodies(tmp, args.max_tokens)
     procs = Procs(tmp)
-    port = {k: free_port() for k in ("P", "D", "ppd", "vllm")}
+    port = {k: free_port() for k in ("P", "D", "ppd", "vllm", "b")}
     url = {k: f"http://127.0.0.1:{v}" for k, v in port.items()}
     results: dict = {"runs": [], "ramp": {}, "meta": {
         "rates": args.rates, "duration_s": args.duration, "reps": args.reps, "max_tokens": args.max_tokens,
         "nproc": os.cpu_count(), "start_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-        "vllm_router": have_vllm, "logs": str(tmp), "build": build_info()}}
+        "vllm_router": have_vllm, "router_b": args.router_b, "ppd_settings": args.ppd_setting,
+        "logs": str(tmp), "build": build_info()}}
     try:
         pid = {}
         for role, key in (("P", "P"), ("pD", "D")):
@@ -221,10 +238,20 @@ def main() -> None:
                                             "--profile", str(PROFILE)])
             wait_http(url[key] + "/health", 30, p)
             pid[key] = p.pid
-        r = procs.start("ppd-router", [ppd, "serve", "--prefill", url["P"], "--pd-capable", url["D"],
-                                       "--policy", "local", "--port", str(port["ppd"])])
+        extra = tmp / "ppd-settings.toml"
+        extra.write_text("".join(f"{kv.split('=', 1)[0].strip()} = {kv.split('=', 1)[1].strip()}\n"
+                                 for kv in args.ppd_setting))
+        r = procs.start("ppd-router", [ppd, "serve", "--config", str(extra), "--prefill", url["P"],
+                                       "--pd-capable", url["D"], "--policy", "local", "--port", str(port["ppd"])])
         wait_http(url["ppd"] + "/health", 30, r)
         pid["ppd"] = r.pid
+        if args.router_b:
+            cfg_b = tmp / "router-b.toml"
+            cfg_b.write_text(f'port = {port["b"]}\nprefill = ["{url["P"]}"]\npd_capable = ["{url["D"]}"]\n'
+                             'policy = "local"\n')
+            b = procs.start("router-b", [*args.router_b.split(), str(cfg_b)])
+            wait_http(url["b"] + "/health", 30, b)
+            pid["b"] = b.pid
         if have_vllm:
             v = procs.start("vllm-router", [args.vllm_router, "--vllm-pd-disaggregation",
                                             "--prefill", url["P"], "--decode", url["D"],
@@ -240,7 +267,7 @@ def main() -> None:
         def run(target: str, rate: float, duration: float, seed: int) -> dict:
             argv = [str(LOADGEN), "--rate", str(rate), "--duration", str(duration), "--timeout", str(args.timeout),
                     "--seed", str(seed), "--threads", str(args.loadgen_threads)]
-            router = {"ppd_pd_t1": "ppd", "ppd_local_t2": "ppd", "vllm_pd_t1": "vllm"}.get(target)
+            router = ROUTER_OF.get(target)
             if target == "client_pd_t1":
                 argv += ["--client-pd", "--prefill", url["P"], "--decode", url["D"]]
             else:
@@ -331,7 +358,7 @@ def report(results: dict, targets: list[str]) -> None:
             if not ss:
                 continue
             ok, arr = sum(s["ok"] for s in ss), sum(s["arrivals"] for s in ss)
-            router = next((k for k in ("ppd", "vllm") if k in ss[0]["cpu_s"]), None)
+            router = next((k for k in ("ppd", "vllm", "b") if k in ss[0]["cpu_s"]), None)
             rcpu = med([s["cpu_s"][router] / max(s["served"], 1) * 1e6 for s in ss]) if router else None
             ncpu = med([(s["cpu_s"]["P"] + s["cpu_s"]["D"]) / max(s["served"], 1) * 1e6 for s in ss])
             paths = {}
@@ -377,6 +404,25 @@ def report(results: dict, targets: list[str]) -> None:
             vc = med([s["cpu_s"]["vllm"] / max(s["served"], 1) * 1e6 for s in V])
             print(f"| {rate:g} | {r50:.2f} | {r99:.2f} | {pa[0]:.0f} / {va[0]:.0f} | {pa[1]:.0f} / {va[1]:.0f} | "
                   f"{pc:.0f} / {vc:.0f} |")
+
+    if any(t.startswith("b_") for t in targets):
+        print("\n### This ppd-router vs router B, same nodes, same run (ratios this / B; < 1 = this better)\n")
+        print("| path | rate/s | TTFT p50 | TTFT p99 | added p50: this / B | added p99: this / B | "
+              "router CPU µs/req: this / B |")
+        print("|---|---|---|---|---|---|---|")
+        for a, b, base in (("ppd_local_t2", "b_local_t2", "direct_t2"), ("ppd_pd_t1", "b_pd_t1", "client_pd_t1")):
+            for rate in rates:
+                A, B = get(a, rate), get(b, rate)
+                if not A or not B:
+                    continue
+                r50 = med([s["ttft_us"]["p50"] for s in A]) / med([s["ttft_us"]["p50"] for s in B])
+                r99 = med([s["ttft_us"]["p99"] for s in A]) / med([s["ttft_us"]["p99"] for s in B])
+                aa = added.get((a, base, rate), (float("nan"),) * 2)
+                ba = added.get((b, base, rate), (float("nan"),) * 2)
+                ac = med([s["cpu_s"]["ppd"] / max(s["served"], 1) * 1e6 for s in A])
+                bc = med([s["cpu_s"]["b"] / max(s["served"], 1) * 1e6 for s in B])
+                print(f"| {a.split('_')[1]} | {rate:g} | {r50:.2f} | {r99:.2f} | {aa[0]:.0f} / {ba[0]:.0f} | "
+                      f"{aa[1]:.0f} / {ba[1]:.0f} | {ac:.0f} / {bc:.0f} ({ac / bc:.2f}) |")
 
     if results["ramp"]:
         print("\n### Maximum sustained rate (success ≥ 99 % and achieved ≥ 95 % of offered; one ramp)\n")
@@ -475,10 +521,58 @@ def python_probe(rates: list[float], duration: float) -> None:
         procs.stop_all()
 
 
+def instructions(n: int, builds: list[str]) -> None:
+    """User-space instructions per request of each router build (`BUILD CONFIG.toml`, e.g. the
+    serve_toml example), under valgrind's callgrind: warm up, zero the counters, send ~n streamed
+    Turn-2 requests on the local path at 50/s, dump, divide. Machine load does not change it."""
+    build_loadgen()
+    tmp = Path(tempfile.mkdtemp(prefix="router-instructions-"))
+    t1, t2 = bodies(tmp, 8)
+    procs = Procs(tmp)
+    port = {k: free_port() for k in ("P", "D", "r")}
+    url = {k: f"http://127.0.0.1:{v}" for k, v in port.items()}
+    ppd = str(Path(sys.executable).parent / "ppd-router")
+    print("| build | requests | instructions | instructions per request |")
+    print("|---|---|---|---|")
+    try:
+        for role, key in (("P", "P"), ("pD", "D")):
+            p = procs.start(f"emu-{key}", [ppd, "emulate", "--role", role, "--port", str(port[key]),
+                                            "--profile", str(PROFILE)])
+            wait_http(url[key] + "/health", 30, p)
+        for i, build in enumerate(builds):
+            cfg = tmp / f"router-{i}.toml"
+            cfg.write_text(f'port = {port["r"]}\nprefill = ["{url["P"]}"]\npd_capable = ["{url["D"]}"]\n'
+                           'policy = "local"\n')
+            out = tmp / f"callgrind-{i}.out"
+            r = procs.start(f"router-{i}", ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
+                                            *build.split(), str(cfg)])
+            wait_http(url["r"] + "/health", 120, r)
+            base = [str(LOADGEN), "--target", url["r"], "--body", str(t2), "--sessions", "64",
+                    "--session-prefix", f"i{i}-", "--timeout", "20", "--rate", "50"]
+            subprocess.run(base + ["--duration", "2", "--prime-body", str(t1), "--warmup", "20"],
+                           check=True, capture_output=True)
+            subprocess.run(["callgrind_control", "-z", str(r.pid)], check=True, capture_output=True)
+            m = json.loads(subprocess.run(base + ["--duration", str(n / 50), "--warmup", "0"], check=True,
+                                          capture_output=True, text=True).stdout)
+            subprocess.run(["callgrind_control", "-d", str(r.pid)], check=True, capture_output=True)
+            os.killpg(r.pid, signal.SIGTERM)
+            r.wait(30)
+            dump = Path(f"{out}.1")
+            total = next(int(x.split()[1]) for x in dump.read_text().splitlines() if x.startswith("summary:"))
+            if m["ok"] != m["sent"] or m["paths"] != {"local": m["ok"]}:
+                raise SystemExit(f"{build}: not every request succeeded on the local path: {m['paths']}")
+            print(f"| {build} | {m['ok']} | {total} | {total / m['ok']:.0f} |", flush=True)
+    finally:
+        procs.stop_all()
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--python-probe":
         # python router_overhead.py --python-probe DURATION RATE...
         python_probe([float(x) for x in sys.argv[3:]], float(sys.argv[2]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--instructions":
+        # python router_overhead.py --instructions N BUILD...
+        instructions(int(sys.argv[2]), sys.argv[3:])
     elif len(sys.argv) > 1 and sys.argv[1] == "--report":
         # Re-print the tables from a saved --out file.
         data = json.loads(Path(sys.argv[2]).read_text())
