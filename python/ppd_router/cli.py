@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 from ppd_router import PpdError, __version__
 
 # Modules under ppd_router that provide ``register(subparsers)``.
-COMMANDS = ["table_cli", "serve", "bench.command", "bench.build_table", "emulate", "simulate", "report"]
+COMMANDS = ["table_cli", "serve", "bench.command", "bench.build_table", "emulate", "simulate", "launch", "tinymodel", "report"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -60,7 +60,7 @@ def config_from(args: argparse.Namespace) -> dict[str, Any]:
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"{path}: {e}") from None
     for key in list(_LISTS) + list(_SCALARS):
-        value = getattr(args, key)
+        value = getattr(args, key, None)
         if value is not None:
             cfg[key] = value
     return cfg
@@ -94,13 +94,24 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# Settings that choose the nodes; `launch` starts its own nodes and fills these in.
+_NODE_SETTINGS = ("emulated", "emulator_profile")
+
+
+def add_settings_flags(p: argparse.ArgumentParser, node_lists: bool = True) -> None:
+    """The router's settings as flags (--config plus one flag per TOML key)."""
+    p.add_argument("--config", metavar="FILE.toml", help="settings file; flags override it")
+    if node_lists:
+        for key, help_text in _LISTS.items():
+            p.add_argument("--" + key.replace("_", "-"), nargs="+", metavar="URL", default=None, help=help_text)
+    for key, (typ, help_text) in _SCALARS.items():
+        if node_lists or key not in _NODE_SETTINGS:
+            p.add_argument("--" + key.replace("_", "-"), type=typ, default=None, help=help_text)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the router (OpenAI-compatible endpoint over P / D / pD / R nodes)")
-    p.add_argument("--config", metavar="FILE.toml", help="settings file; flags override it")
-    for key, help_text in _LISTS.items():
-        p.add_argument("--" + key.replace("_", "-"), nargs="+", metavar="URL", default=None, help=help_text)
-    for key, (typ, help_text) in _SCALARS.items():
-        p.add_argument("--" + key.replace("_", "-"), type=typ, default=None, help=help_text)
+    add_settings_flags(p)
     p.add_argument("--discovery", metavar="tcp://HOST:PORT", default=None,
                    help="also accept node registrations over ZMQ (vLLM P2pNccl format) on this address")
     p.add_argument("--print-config", action="store_true", help="print the validated settings as JSON and exit")

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,12 +15,7 @@ import httpx
 import pytest
 
 from ppd_router import Router
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers import free_port, scrape
 
 
 def wait_healthy(url: str, timeout: float = 30.0, proc: Optional[subprocess.Popen] = None) -> None:
@@ -51,13 +44,7 @@ class Node:
 
     def metric(self, name: str) -> float:
         """Sum of a vLLM metric over its label sets (counters read with or without `_total`)."""
-        text = httpx.get(self.url + "/metrics", timeout=5).text
-        total = 0.0
-        for line in text.splitlines():
-            m = re.match(rf"^{re.escape(name)}(?:_total)?(?:\{{[^}}]*\}})? ([0-9.eE+-]+)$", line)
-            if m:
-                total += float(m.group(1))
-        return total
+        return scrape(self.url, name)
 
     def served(self) -> float:
         return self.metric("vllm:request_success")

