@@ -14,6 +14,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_base_port(count: int, offsets: tuple[int, ...] = (0, 1000, 2000)) -> int:
+    """A base port whose ranges base+off+i (the launcher's HTTP, NIXL and KV-event ports) are all free now."""
+    for _ in range(200):
+        base = free_port() % 20000 + 20000
+        try:
+            for off in offsets:
+                for i in range(count):
+                    with socket.socket() as s:
+                        s.bind(("127.0.0.1", base + off + i))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free port range")
+
+
 def metric_sum(text: str, name: str) -> float:
     """Sum of a metric over its label sets in Prometheus text (counters match with or without `_total`)."""
     total = 0.0

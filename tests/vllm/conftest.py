@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -21,7 +21,7 @@ import pytest
 
 from ppd_router import Router
 from ppd_router.launch import VllmCluster
-from tests.helpers import free_port, scrape
+from tests.helpers import free_base_port, free_port, scrape
 
 VLLM_PYTHON = os.environ.get("PPD_VLLM_PYTHON", "")
 TINYMODEL = Path(__file__).resolve().parents[2] / "python" / "ppd_router" / "tinymodel.py"
@@ -48,21 +48,6 @@ def _need_vllm() -> str:
     if os.environ.get("CI"):
         pytest.fail(why)
     pytest.skip(why)
-
-
-def free_base_port(count: int) -> int:
-    """A base whose launcher ports (base+i, base+1000+i, base+2000+i) are all free now."""
-    for _ in range(200):
-        base = free_port() % 20000 + 20000
-        try:
-            for off in (0, 1000, 2000):
-                for i in range(count):
-                    with socket.socket() as s:
-                        s.bind(("127.0.0.1", base + off + i))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free port range for the vLLM nodes")
 
 
 @pytest.fixture(scope="session")
@@ -97,14 +82,23 @@ class Tier:
     def p(self) -> str:
         return self.nodes.node("P0").url
 
+    def pd_nodes(self) -> list[str]:
+        return [n.url for n in self.nodes.nodes if n.plan.role == "pD"]
+
+    def other_pd(self, url: str) -> str:
+        return next(u for u in self.pd_nodes() if u != url)
+
     def set_policy(self, policy: str) -> None:
         r = self.client.put(self.url + "/admin/policy", json={"policy": policy},
                             headers={"authorization": f"Bearer {ADMIN}"})
         assert r.status_code == 200, r.text
 
-    def chat(self, messages: list[dict[str, str]], session: str, max_tokens: int = 24, **body: Any) -> httpx.Response:
+    def chat(self, messages: list[dict[str, str]], session: str, max_tokens: int = 24, *, url: str = "",
+             **body: Any) -> httpx.Response:
+        """A greedy chat request through the router (or straight to a node when ``url`` is given)."""
         payload = {"model": "tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0, **body}
-        r = self.client.post(self.url + "/v1/chat/completions", json=payload, headers={"x-session-id": session})
+        r = self.client.post((url or self.url) + "/v1/chat/completions", json=payload,
+                             headers={"x-session-id": session})
         assert r.status_code == 200, r.text
         return r
 
@@ -143,6 +137,11 @@ def block_floor(tokens: int) -> int:
     return tokens // BLOCK * BLOCK
 
 
+def conversation_start(tag: str) -> list[dict[str, str]]:
+    """A first user message no other test sends, so cache counts start from nothing."""
+    return [user(f"[{tag} {uuid.uuid4().hex}] Tell me about the lighthouse keeper who counts waves every night.")]
+
+
 def user(text: str) -> dict[str, str]:
     return {"role": "user", "content": text}
 
@@ -159,4 +158,4 @@ def path_of(resp: httpx.Response) -> tuple[str, str, Optional[str]]:
     return resp.headers["x-ppd-path"], resp.headers["x-ppd-reason"], resp.headers.get("x-ppd-node")
 
 
-__all__ = ["Tier", "answer", "assistant", "block_floor", "delta", "path_of", "scrape", "user"]
+__all__ = ["Tier", "answer", "assistant", "block_floor", "conversation_start", "delta", "path_of", "scrape", "user"]
