@@ -1,8 +1,9 @@
 """``ppd-router make-tiny-model DIR``: a tiny Llama-architecture model that vLLM can serve, made here.
 
-No hub access: the tokenizer's vocabulary is the characters of the Python standard library's own
-sources, and the weights are random (seeded). The model exists to prove the router against real
-vLLM (prefix caching, NIXL KV transfer) on CPU-only machines, not to say anything sensible.
+No hub access: the tokenizer is character-level over printable ASCII (so any generated text
+re-tokenizes to the same tokens), and the weights are random (seeded). The model exists to prove
+the router against real vLLM (prefix caching, NIXL KV transfer) on CPU-only machines, not to say
+anything sensible.
 
 This file imports nothing from ppd_router, so it also runs as a plain script under the
 interpreter of the real-vLLM venv (which has torch, transformers and tokenizers):
@@ -17,7 +18,6 @@ import json
 import os
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 # Head size 32: vLLM's CPU attention supports 32, 64, 80, 96, 112, 128, ... (16 is refused).
@@ -26,7 +26,6 @@ SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
 # float32, not bf16: with random weights the top logits are close, and greedy decoding must pick
 # the same token whether the KV came from a prefix cache, from P over NIXL, or was recomputed.
 DTYPE = "float32"
-TRAINING_BYTES = 4 << 20
 
 UNK = "<|unk|>"
 SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -40,37 +39,20 @@ CHAT_TEMPLATE = (
 )
 
 
-def training_text(limit: int = TRAINING_BYTES) -> list[str]:
-    """The standard library's .py files in a fixed order, up to ``limit`` bytes: local, reproducible text."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    texts, total = [], 0
-    for path in sorted(stdlib.glob("*.py")) + sorted(stdlib.glob("*/*.py")):
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        texts.append(text)
-        total += len(text)
-        if total >= limit:
-            break
-    if total < 100_000:
-        raise RuntimeError(f"too little training text under {stdlib} ({total} bytes)")
-    return texts
-
-
 def make_tokenizer(out: Path):
-    """A character-level tokenizer over the text's printable ASCII characters.
+    """A character-level tokenizer over printable ASCII, tab and newline.
 
     Character-level on purpose: decoding any generated token sequence and encoding the text again
     gives back exactly those tokens, so a conversation's next turn re-renders to the same token
-    prefix and can hit the prefix cache for the previous answer too (a BPE does not round-trip a
-    random model's output). Special tokens are whole tokens, as in Llama 3's template.
+    prefix and can hit the prefix cache for the previous answer too. A BPE trained on local text
+    (tried first, on the standard library's sources) does not: a random model emits token
+    sequences the BPE would never produce, and they re-tokenize differently. Special tokens are
+    whole tokens, as in Llama 3's template.
     """
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
-    seen = set("".join(training_text()))
-    chars = sorted(c for c in seen if c in "\n\t" or " " <= c <= "~")
+    chars = ["\t", "\n"] + [chr(c) for c in range(ord(" "), ord("~") + 1)]
     vocab = {tok: i for i, tok in enumerate(SPECIAL + [UNK] + chars)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
     tok.decoder = decoders.Fuse()
