@@ -56,3 +56,15 @@ def metric_sum(text: str, name: str) -> float:
 
 def scrape(url: str, name: str, timeout: float = 5.0) -> float:
     return metric_sum(httpx.get(url + "/metrics", timeout=timeout).text, name)
+
+
+def user(text: str) -> dict[str, str]:
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str) -> dict[str, str]:
+    return {"role": "assistant", "content": text}
+
+
+def answer_text(resp: httpx.Response) -> str:
+    return resp.json()["choices"][0]["message"]["content"]

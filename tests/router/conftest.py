@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from ppd_router import Router
-from tests.helpers import free_port, scrape
+from tests.helpers import answer_text, assistant, free_port, scrape, user
 
 
 def wait_healthy(url: str, timeout: float = 30.0, proc: Optional[subprocess.Popen] = None) -> None:
@@ -123,15 +123,3 @@ def cluster_factory() -> Iterator[Any]:
     yield make
     for c in made:
         c.stop()
-
-
-def user(text: str) -> dict[str, str]:
-    return {"role": "user", "content": text}
-
-
-def assistant(text: str) -> dict[str, str]:
-    return {"role": "assistant", "content": text}
-
-
-def answer_text(resp: httpx.Response) -> str:
-    return resp.json()["choices"][0]["message"]["content"]

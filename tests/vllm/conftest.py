@@ -21,7 +21,8 @@ import pytest
 
 from ppd_router import Router
 from ppd_router.launch import VllmCluster
-from tests.helpers import free_base_port, free_port, scrape, vllm_python
+from tests.helpers import answer_text as answer
+from tests.helpers import assistant, free_base_port, free_port, scrape, user, vllm_python
 
 VLLM_PYTHON = os.environ.get("PPD_VLLM_PYTHON", "")
 TINYMODEL = Path(__file__).resolve().parents[2] / "python" / "ppd_router" / "tinymodel.py"
@@ -131,18 +132,6 @@ def block_floor(tokens: int) -> int:
 def conversation_start(tag: str) -> list[dict[str, str]]:
     """A first user message no other test sends, so cache counts start from nothing."""
     return [user(f"[{tag} {uuid.uuid4().hex}] Tell me about the lighthouse keeper who counts waves every night.")]
-
-
-def user(text: str) -> dict[str, str]:
-    return {"role": "user", "content": text}
-
-
-def assistant(text: str) -> dict[str, str]:
-    return {"role": "assistant", "content": text}
-
-
-def answer(resp: httpx.Response) -> str:
-    return resp.json()["choices"][0]["message"]["content"]
 
 
 def path_of(resp: httpx.Response) -> tuple[str, str, Optional[str]]:
