@@ -203,6 +203,11 @@ class RunningNode:
         self.stop(grace_s=0.0)
 
 
+def _looks_like_path(model: str) -> bool:
+    """A local path, not a hub name ("org/name"): vLLM downloads hub names itself."""
+    return model.startswith(("/", ".", "~")) or model.count("/") != 1
+
+
 class VllmCluster:
     """The vLLM servers of a layout; a context manager that always stops what it started."""
 
@@ -210,7 +215,7 @@ class VllmCluster:
                  host: str = "127.0.0.1", python: Optional[str] = None, gpus: Optional[Sequence[str]] = None,
                  vllm_args: Sequence[str] = (), log_dir: Optional[str] = None, served_model_name: str = "",
                  kv_events: bool = True, cpu_kvcache_gib: int = 1) -> None:
-        if not Path(model).exists():
+        if not Path(model).exists() and _looks_like_path(model):
             raise LaunchError(f"--model {model}: no such directory (make one with `ppd-router make-tiny-model DIR`)")
         self.model = str(model)
         self.device = device
@@ -278,6 +283,23 @@ class VllmCluster:
                 return n
         raise KeyError(name)
 
+    def plan_summary(self, router_settings: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+        """What start() would run, per node: its command and the environment the launcher sets."""
+        nodes = []
+        for plan in self.plans:
+            nodes.append({
+                "name": plan.name, "role": plan.role, "url": plan.url, "cpu": plan.cpu, "gpu": plan.gpu,
+                "log": str(self.log_dir / f"{plan.name}.log"),
+                "command": vllm_command(plan, model=self.model, python=self.python, device=self.device,
+                                        served_model_name=self.served_model_name, extra_args=self.vllm_args,
+                                        kv_events=self.kv_events),
+                "env": vllm_env(plan, device=self.device, base={}, cpu_kvcache_gib=self.cpu_kvcache_gib),
+            })
+        out: dict[str, Any] = {"nodes": nodes}
+        if router_settings is not None:
+            out["router"] = router_settings
+        return out
+
     def router_nodes(self) -> dict[str, list[str]]:
         """The router settings that point at these nodes: {"prefill": [...], "pd_capable": [...], ...}."""
         out: dict[str, list[str]] = {}
@@ -334,6 +356,7 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 def _launch(args: argparse.Namespace) -> int:
     from ppd_router import _core
+    from ppd_router._core import validate_router_config
     from ppd_router.serve import build_router, config_from
 
     roles = _core.parse_layout(args.layout)
@@ -348,6 +371,10 @@ def _launch(args: argparse.Namespace) -> int:
     if "tokenizer" not in cfg and tokenizer.exists():
         cfg["tokenizer"] = str(tokenizer)  # exact n_in / n_ctx for the decision, not the word-rule estimate
     router = build_router(cfg)  # settings are checked before any node starts
+    if args.dry_run:
+        print(json.dumps(cluster.plan_summary(router_settings=json.loads(validate_router_config(json.dumps(cfg)))),
+                         indent=1))
+        return 0
     signal.signal(signal.SIGTERM, _raise_interrupt)
     started = time.monotonic()
     try:
@@ -393,6 +420,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cpu-kvcache-gib", type=int, default=1, help="cpu: KV cache size per node in GiB (default 1)")
     p.add_argument("--no-kv-events", action="store_true", help="do not publish KV cache events")
     p.add_argument("--quiet", action="store_true", help="no live start-up display")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print each node's command and launcher-set environment, and the router settings, "
+                        "as JSON; start nothing")
     add_settings_flags(p, node_lists=False)
     p.add_argument("vllm_rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.set_defaults(func=_launch)

@@ -326,3 +326,27 @@ def test_bad_launch_arguments_fail_before_any_node_starts(
     assert r.returncode != 0
     assert needle in r.stderr, r.stderr
     assert not (tmp_path / "ran").exists()
+
+
+def test_dry_run_prints_every_node_command_and_the_router_settings(tmp_path: Path, model_dir: Path) -> None:
+    r = subprocess.run(launch_cli("--model", str(model_dir), "--layout", "2P_1pD", "--device", "cuda", "--gpus", "4,5,6",
+                                  "--python", sys.executable, "--base-port", "9300",
+                                  "--dry-run", "--policy", "pd", "--", "--enforce-eager"),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert [(n["name"], n["gpu"], n["url"]) for n in plan["nodes"]] == [
+        ("P0", "4", "http://127.0.0.1:9300"), ("P1", "5", "http://127.0.0.1:9301"), ("pD0", "6", "http://127.0.0.1:9302")]
+    assert all(n["command"][-1] == "--enforce-eager" for n in plan["nodes"])
+    assert plan["nodes"][2]["env"]["CUDA_VISIBLE_DEVICES"] == "6"
+    assert plan["router"]["prefill"] == ["http://127.0.0.1:9300", "http://127.0.0.1:9301"]
+    assert plan["router"]["pd_capable"] == ["http://127.0.0.1:9302"] and plan["router"]["policy"] == "pd"
+    assert not (tmp_path / "logs").exists()
+
+
+def test_hub_model_names_pass_through_but_missing_local_paths_do_not(model_dir: Path) -> None:
+    hub = VllmCluster("meta-llama/Llama-3.1-8B-Instruct", ["P", "pD"], device="cuda", python=sys.executable)
+    assert hub.plan_summary()["nodes"][0]["command"][4] == "meta-llama/Llama-3.1-8B-Instruct"
+    for missing in ("./no-model", "/abs/no/model", "a/b/c"):
+        with pytest.raises(LaunchError, match="no such directory"):
+            VllmCluster(missing, ["P", "pD"], device="cuda", python=sys.executable)
