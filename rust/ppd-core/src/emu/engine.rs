@@ -238,6 +238,8 @@ pub struct Engine {
     max_model_len: u32,
     lease_ms: f64,
     full_transfer: bool,
+    /// P2pNccl-style push of a finished prefill's KV inside P's step, ms.
+    push_ms: f64,
     step_model: super::profile::StepModel,
     emit_tokens: bool,
     pool: BlockPool,
@@ -269,6 +271,7 @@ impl Engine {
             max_model_len: p.max_model_len,
             lease_ms: p.kv_lease_s * 1000.0,
             full_transfer: p.link.full_prompt_transfer,
+            push_ms: p.link.push_ms,
             step_model: p.step,
             emit_tokens,
             pool: BlockPool::new(p.kv_blocks),
@@ -724,7 +727,20 @@ impl Engine {
         if items.is_empty() {
             return;
         }
-        let dt = self.step_model.step_ms(&shape);
+        let mut dt = self.step_model.step_ms(&shape);
+        if self.push_ms > 0.0 {
+            // A RemoteDecode prefill that completes its prompt in this step pushes
+            // the prompt's KV to D before the step ends (P2pNccl's wait for sends).
+            for &(slot, n) in &items {
+                let seq = self.seq(slot);
+                if seq.kind == Kind::RemoteDecode
+                    && seq.computed < seq.prompt_len
+                    && seq.computed + n >= seq.prompt_len
+                {
+                    dt += self.push_ms;
+                }
+            }
+        }
         self.stats.steps += 1;
         self.stats.busy_ms += dt;
         self.step = Some(InFlight { end: t + dt, items });
@@ -994,6 +1010,28 @@ mod tests {
             .iter()
             .any(|x| matches!(x, Event::LeaseExpired { id: 2, .. })));
         assert_eq!(e.snapshot().kv_usage, 0.0);
+    }
+
+    #[test]
+    fn a_push_lengthens_the_step_that_finishes_a_prefill_for_d_only() {
+        // P2pNccl: P's forward waits for the KV sends of the prefills it completes.
+        let done = |push_ms: f64, kind: Kind| {
+            let mut p = Profile::test_profile();
+            p.link.push_ms = push_ms;
+            let mut e = engine(&p);
+            let mut ev = vec![];
+            let mut r = req(1, 5, 320, 1);
+            r.kind = kind;
+            e.submit(0.0, r, &mut ev).unwrap();
+            while e.in_flight() > 0 {
+                let t = e.next_event_time().unwrap();
+                e.advance(t, &mut ev);
+            }
+            finished(&ev, 1).0
+        };
+        let base = done(0.0, Kind::RemoteDecode);
+        assert!((done(25.0, Kind::RemoteDecode) - base - 25.0).abs() < 1e-9);
+        assert_eq!(done(25.0, Kind::Local), done(0.0, Kind::Local));
     }
 
     #[test]

@@ -149,6 +149,7 @@ mod tests {
             gbps: 1.0,
             latency_ms: 1.0,
             full_prompt_transfer: false,
+            push_ms: 0.0,
         })
     }
 

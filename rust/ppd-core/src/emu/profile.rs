@@ -90,6 +90,12 @@ pub struct LinkModel {
     /// the paper's connector). `false` pulls only what D lacks (vLLM's NIXL).
     #[serde(default)]
     pub full_prompt_transfer: bool,
+    /// P pushes a finished prefill's KV to D inside the step that finishes it
+    /// (P2pNccl: a send per layer, and the step waits until its send queue is
+    /// empty), so that step takes this much longer per such request, ms.
+    /// 0 = the transfer costs P nothing (NIXL: D pulls).
+    #[serde(default)]
+    pub push_ms: f64,
 }
 
 impl LinkModel {
@@ -186,6 +192,7 @@ impl Profile {
                 self.step.decode_ctx_ms_per_ktoken,
             ),
             ("link.latency_ms", self.link.latency_ms),
+            ("link.push_ms", self.link.push_ms),
             ("api.request_overhead_ms", self.api.request_overhead_ms),
             ("api.router_hop_ms", self.api.router_hop_ms),
             ("api.local_path_extra_ms", self.api.local_path_extra_ms),
@@ -245,6 +252,7 @@ impl Profile {
                 gbps: 10.0,
                 latency_ms: 2.0,
                 full_prompt_transfer: false,
+                push_ms: 0.0,
             },
             api: ApiModel {
                 request_overhead_ms: 1.0,
@@ -300,6 +308,7 @@ mod tests {
             gbps: 25.0,
             latency_ms: 0.0,
             full_prompt_transfer: false,
+            push_ms: 0.0,
         };
         // Paper B.6: 5,115 tokens × 128 KiB over 25 GB/s ≈ 27 ms.
         let t = l.alone_ms(5115 * 131_072);

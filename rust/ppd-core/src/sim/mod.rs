@@ -165,8 +165,6 @@ struct Conv {
     hold: Option<(usize, u64)>,
     done: bool,
     context: u32,
-    /// Tokens before the last answer (they re-render identically).
-    stable_tokens: u32,
 }
 
 #[derive(Debug, Clone)]
@@ -307,9 +305,13 @@ impl<'a> Sim<'a> {
         let content = if self.p.harness.answer_prefix_hit {
             Content::Synthetic(c.key)
         } else {
+            // The prompt as the client renders it is canonical; the answer generated
+            // after it is salted per turn, so the next turn's re-rendered copy of it
+            // misses the cache (from the block holding the prompt's end) while
+            // everything the client sent before still hits.
             Content::SyntheticSalted {
                 key: c.key,
-                stable_blocks: c.stable_tokens / self.p.block_size,
+                stable_blocks: prompt / self.p.block_size,
                 salt: c.turn as u64,
             }
         };
@@ -557,7 +559,6 @@ impl<'a> Sim<'a> {
                             }
                             self.out_tokens += n as u64;
                             let (n_in, _) = self.specs[c.spec as usize][turn as usize - 1];
-                            c.stable_tokens = c.context + n_in;
                             c.context += n_in + n;
                             c.cur = None;
                             self.last_done = self.last_done.max(t);

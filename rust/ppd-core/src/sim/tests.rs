@@ -207,3 +207,49 @@ fn bad_conversation_lists_are_clear_errors() {
         assert!(e.contains(needle), "{e}");
     }
 }
+
+#[test]
+fn a_missed_answer_is_recomputed_but_the_rest_of_the_history_hits() {
+    // 4R, answer_prefix_hit = false: Turn 2 of large_tiny recomputes the 1,024-token
+    // answer (+16 new) over a cached 1,024-token Turn-1 prompt, not all 2,064 tokens.
+    let mut p = profile();
+    p.harness.answer_prefix_hit = false;
+    let c = SimConfig::new("4R", "replica", "large_tiny", 0.5);
+    let miss = simulate(&c, &p, None).unwrap();
+    let mut full = SimConfig::new("4R", "replica", "custom", 0.5);
+    // The same Turn 2 computed from scratch: a 2,064-token Turn-1 prompt.
+    full.conversations = Some(vec![vec![[2064, 32]]]);
+    let scratch = simulate(&full, &p, None).unwrap();
+    assert!(
+        miss.turn2plus.avg_ttft_ms < scratch.turn1.avg_ttft_ms - 20.0,
+        "{} vs {}",
+        miss.turn2plus.avg_ttft_ms,
+        scratch.turn1.avg_ttft_ms
+    );
+}
+
+#[test]
+fn a_push_inside_ps_step_makes_one_p_a_bottleneck_under_load() {
+    // P2pNccl: P's step waits for the KV sends of the prefills it finishes. Each
+    // conversation of 1P_3D puts two pushes on the one P; with 45 ms each at 12
+    // conversations/s the P is over-busy and queues, while 3P (a third each) is not.
+    let mut p = profile();
+    p.link.full_prompt_transfer = true;
+    let t2 = |dep: &str, p: &Profile| {
+        simulate(&SimConfig::new(dep, "local", "small_tiny", 12.0), p, None)
+            .unwrap()
+            .turn2plus
+            .avg_ttft_ms
+    };
+    let (base1, base3) = (t2("1P_3D", &p), t2("3P_1D", &p));
+    p.link.push_ms = 45.0;
+    let (slow1, slow3) = (t2("1P_3D", &p), t2("3P_1D", &p));
+    assert!(slow1 > base1 + 200.0, "1P: {base1} -> {slow1}");
+    assert!(
+        slow3 - base3 < (slow1 - base1) / 4.0,
+        "3P: {base3} -> {slow3}"
+    );
+    // No push cost leaves the model as it was.
+    p.link.push_ms = 0.0;
+    assert_eq!(t2("1P_3D", &p), base1);
+}
