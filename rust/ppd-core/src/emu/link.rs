@@ -118,19 +118,40 @@ impl Link {
                 break;
             }
             self.settle(c);
-            // Ties and float dust: anything within a byte is complete.
+            // Ties and float dust: anything within what the link moves in a few ulps of `c`
+            // (at least a byte) is complete. Late in virtual time at a high bandwidth that dust
+            // exceeds a byte, and a transfer left short by it would never finish: `c` could no
+            // longer advance the clock.
+            let dust = 1.0_f64.max(self.bytes_per_ms * c.abs() * 4.0 * f64::EPSILON);
+            let before = done.len();
             let mut i = 0;
             while i < self.active.len() {
                 let x = &self.active[i];
-                if x.start_at <= c && x.remaining <= 1.0 {
+                if x.start_at <= c && x.remaining <= dust {
                     done.push(x.id);
                     self.active.swap_remove(i);
                 } else {
                     i += 1;
                 }
             }
+            if done.len() == before {
+                // Rounding still left it short: the transfer finishing at `c` is the started one
+                // with the least remaining, so it completes now and the loop always progresses.
+                if let Some(i) = self.least_remaining_started(c) {
+                    done.push(self.active.swap_remove(i).id);
+                }
+            }
         }
         self.settle(t);
+    }
+
+    fn least_remaining_started(&self, t: f64) -> Option<usize> {
+        self.active
+            .iter()
+            .enumerate()
+            .filter(|(_, x)| x.start_at <= t)
+            .min_by(|a, b| a.1.remaining.total_cmp(&b.1.remaining))
+            .map(|(i, _)| i)
     }
 
     /// Drops a transfer (its request was aborted).
@@ -151,6 +172,32 @@ mod tests {
             full_prompt_transfer: false,
             push_ms: 0.0,
         })
+    }
+
+    #[test]
+    fn transfers_late_in_virtual_time_on_a_huge_link_still_complete() {
+        // At t = 1e7 ms one ulp of the clock is ~2e-9 ms, during which 1e6 GB/s moves ~2 kB:
+        // rounding leaves transfers short by more than a byte. They must finish, not spin.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut l = Link::new(LinkModel {
+                gbps: 1e6,
+                latency_ms: 0.0,
+                full_prompt_transfer: false,
+                push_ms: 0.0,
+            });
+            let mut done = vec![];
+            let mut t = 1e7;
+            for id in 0..200u64 {
+                l.start(t, id, 131_072 * (1 + id % 7) * 997);
+                t += 0.37;
+                l.advance(t, &mut done);
+            }
+            l.advance(t + 1.0, &mut done);
+            let _ = tx.send((done.len(), l.in_flight()));
+        });
+        let got = rx.recv_timeout(std::time::Duration::from_secs(20));
+        assert_eq!(got, Ok((200, 0)), "the link spun or lost transfers");
     }
 
     #[test]
