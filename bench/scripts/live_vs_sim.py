@@ -1,6 +1,8 @@
 """Markdown table: each live emulated-cluster point beside the simulator's same point.
 
-    python bench/scripts/live_vs_sim.py bench/results/reproduction/live.jsonl bench/results/reproduction/sim-modes.csv
+    python bench/scripts/live_vs_sim.py bench/results/reproduction/live.jsonl bench/results/reproduction/sim-modes.csv [WORKLOAD]
+
+With WORKLOAD (e.g. sharegpt, large_big_paste) only that workload's live points are listed.
 """
 
 from __future__ import annotations
@@ -10,18 +12,22 @@ import json
 import sys
 
 
-def main(live_path: str, sim_path: str) -> int:
+def main(live_path: str, sim_path: str, workload: str = "") -> int:
     live: dict[tuple, dict] = {}
     for line in open(live_path):
         r = json.loads(line)
         m = r["meta"]
         live[(m["deployment"], m["policy"], m["workload"], float(m["qps"]))] = r  # last wins
-    sim = {(r["config"], r["policy"], r["t2_workload"], float(r["qps"])): r
+    sim = {(r["config"], r["policy"],  # synthetic names are t1_context + "_" + t2_workload
+            f"{r['t1_context']}_{r['t2_workload']}" if r["t1_context"] else r["t2_workload"],
+            float(r["qps"])): r
            for r in csv.DictReader(open(sim_path))}
     print("| config | policy | QPS | T1 TTFT live / sim | T2+ TTFT live / sim | T2+ TPOT live / sim "
           "| E2E live / sim (s) | success live / sim | local live / sim | wall (s) |")
     print("|---|---|---:|---|---|---|---|---|---|---:|")
     for key, r in live.items():
+        if workload and key[2] != workload:
+            continue
         s = sim.get(key)
         t1, t2, ov = r["turn1"], r["turn2plus"], r["overall"]
 
@@ -46,4 +52,4 @@ def main(live_path: str, sim_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:3]))
+    sys.exit(main(*sys.argv[1:4]))
