@@ -10,8 +10,12 @@ pub const DEFAULT_PROFILE_NAME: &str = "h100-llama3.1-8b";
 pub const DEFAULT_PROFILE: &str = include_str!("../../../tables/engine-h100-llama3.1-8b.toml");
 
 pub(crate) fn default_profile() -> Profile {
-    // The committed file is checked by a unit test; a broken build would fail there.
-    parse(DEFAULT_PROFILE, DEFAULT_PROFILE_NAME).unwrap_or_else(|_| Profile::test_profile())
+    // Compiled in and checked by a unit test: a failure here is a broken build, never input.
+    // Falling back to another profile would silently emulate some other machine.
+    match parse(DEFAULT_PROFILE, DEFAULT_PROFILE_NAME) {
+        Ok(p) => p,
+        Err(e) => panic!("the built-in profile does not load: {e}"),
+    }
 }
 
 fn parse(text: &str, origin: &str) -> Result<Profile, Error> {
