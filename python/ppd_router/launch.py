@@ -60,8 +60,9 @@ class NodePlan:
 
 
 def plan_nodes(roles: Sequence[str], *, device: str, base_port: int, host: str = "127.0.0.1",
-               gpus: Optional[Sequence[str]] = None, cpus: Optional[Sequence[int]] = None) -> list[NodePlan]:
-    """Ports, cores (cpu) or GPUs (cuda) for each node, in layout order."""
+               gpus: Optional[Sequence[str]] = None, cpus: Optional[Sequence[int]] = None,
+               gpus_per_node: int = 1) -> list[NodePlan]:
+    """Ports, cores (cpu) or GPUs (cuda; ``gpus_per_node`` consecutive ids each) for each node, in layout order."""
     if device not in ("cpu", "cuda"):
         raise ValueError(f"--device {device!r}: expected cpu or cuda")
     unknown = [r for r in roles if r not in ROLES]
@@ -70,9 +71,13 @@ def plan_nodes(roles: Sequence[str], *, device: str, base_port: int, host: str =
     if not 1 <= base_port <= 65535 - KV_EVENTS_OFFSET - len(roles):
         raise ValueError(f"--base-port {base_port}: must leave room for {len(roles)} nodes below 65536")
     if device == "cuda":
-        gpus = list(gpus) if gpus else [str(i) for i in range(len(roles))]
-        if len(gpus) < len(roles):
-            raise ValueError(f"--gpus {','.join(gpus)}: {len(roles)} nodes need {len(roles)} GPUs")
+        if gpus_per_node < 1:
+            raise ValueError(f"--gpus-per-node {gpus_per_node}: must be at least 1")
+        need = len(roles) * gpus_per_node
+        gpus = list(gpus) if gpus else [str(i) for i in range(need)]
+        if len(gpus) < need:
+            each = f" ({gpus_per_node} each)" if gpus_per_node > 1 else ""
+            raise ValueError(f"--gpus {','.join(gpus)}: {len(roles)} nodes need {need} GPUs{each}")
     else:
         cpus = list(cpus) if cpus else sorted(os.sched_getaffinity(0))
     counts: dict[str, int] = {}
@@ -86,7 +91,7 @@ def plan_nodes(roles: Sequence[str], *, device: str, base_port: int, host: str =
             kv_events_port=base_port + KV_EVENTS_OFFSET + i,
             # More nodes than cores share cores round-robin: slower, but each keeps one pinned thread.
             cpu=cpus[i % len(cpus)] if device == "cpu" else None,
-            gpu=gpus[i] if device == "cuda" else None,
+            gpu=",".join(gpus[i * gpus_per_node:(i + 1) * gpus_per_node]) if device == "cuda" else None,
         ))
     return plans
 
@@ -213,15 +218,19 @@ class VllmCluster:
 
     def __init__(self, model: str, roles: Sequence[str], *, device: str = "cpu", base_port: int = 8100,
                  host: str = "127.0.0.1", python: Optional[str] = None, gpus: Optional[Sequence[str]] = None,
+                 gpus_per_node: int = 1,
                  vllm_args: Sequence[str] = (), log_dir: Optional[str] = None, served_model_name: str = "",
                  kv_events: bool = True, cpu_kvcache_gib: int = 1) -> None:
         if not Path(model).exists() and _looks_like_path(model):
             raise LaunchError(f"--model {model}: no such directory (make one with `ppd-router make-tiny-model DIR`)")
         self.model = str(model)
         self.device = device
-        self.plans = plan_nodes(roles, device=device, base_port=base_port, host=host, gpus=gpus)
+        self.plans = plan_nodes(roles, device=device, base_port=base_port, host=host, gpus=gpus,
+                                gpus_per_node=gpus_per_node)
+        # Tensor parallelism over each node's GPUs; a --tensor-parallel-size of the user's comes later and wins.
+        tp = ["--tensor-parallel-size", str(gpus_per_node)] if device == "cuda" and gpus_per_node > 1 else []
         self.python = find_vllm_python(python)
-        self.vllm_args = list(vllm_args)
+        self.vllm_args = tp + list(vllm_args)
         self.log_dir = Path(log_dir) if log_dir else Path.cwd() / "ppd-launch-logs"
         self.served_model_name = served_model_name or Path(model).name
         self.kv_events = kv_events
@@ -361,7 +370,7 @@ def _launch(args: argparse.Namespace) -> int:
 
     roles = _core.parse_layout(args.layout)
     cluster = VllmCluster(args.model, roles, device=args.device, base_port=args.base_port, python=args.python,
-                          gpus=args.gpus.split(",") if args.gpus else None,
+                          gpus=args.gpus.split(",") if args.gpus else None, gpus_per_node=args.gpus_per_node,
                           vllm_args=list(args.vllm_arg or []) + _after_double_dash(args.vllm_rest),
                           log_dir=args.log_dir, served_model_name=args.served_model_name,
                           kv_events=not args.no_kv_events, cpu_kvcache_gib=args.cpu_kvcache_gib)
@@ -412,6 +421,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     p.add_argument("--base-port", type=int, default=8100, help="node i listens on BASE+i (default 8100)")
     p.add_argument("--gpus", help="cuda: GPU ids per node in layout order, e.g. 0,1,2,3")
+    p.add_argument("--gpus-per-node", type=int, default=1,
+                   help="cuda: consecutive GPUs of --gpus per node, run with that tensor-parallel size (default 1)")
     p.add_argument("--vllm-arg", action="append", metavar="ARG", help="extra vLLM argument for every node")
     p.add_argument("--log-dir", help="one log per node (default ./ppd-launch-logs)")
     p.add_argument("--python", help="interpreter with vLLM (default $PPD_VLLM_PYTHON or this one)")

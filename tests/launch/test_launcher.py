@@ -350,3 +350,18 @@ def test_hub_model_names_pass_through_but_missing_local_paths_do_not(model_dir: 
     for missing in ("./no-model", "/abs/no/model", "a/b/c"):
         with pytest.raises(LaunchError, match="no such directory"):
             VllmCluster(missing, ["P", "pD"], device="cuda", python=sys.executable)
+
+
+def test_several_gpus_per_node_get_consecutive_ids_and_tensor_parallelism(model_dir: Path) -> None:
+    plans = plan_nodes(["P", "pD"], device="cuda", base_port=9000, gpus=list("0123"), gpus_per_node=2)
+    assert [p.gpu for p in plans] == ["0,1", "2,3"]
+    assert vllm_env(plans[1], device="cuda", base={})["CUDA_VISIBLE_DEVICES"] == "2,3"
+    with pytest.raises(ValueError, match=r"2 nodes need 4 GPUs \(2 each\)"):
+        plan_nodes(["P", "pD"], device="cuda", base_port=9000, gpus=list("012"), gpus_per_node=2)
+    with pytest.raises(ValueError, match="--gpus-per-node 0"):
+        plan_nodes(["P"], device="cuda", base_port=9000, gpus_per_node=0)
+    cmd = VllmCluster(str(model_dir), ["P", "pD"], device="cuda", python=sys.executable, gpus_per_node=2,
+                      vllm_args=["--enforce-eager"]).plan_summary()["nodes"][0]["command"]
+    assert cmd[-3:] == ["--tensor-parallel-size", "2", "--enforce-eager"]
+    one = VllmCluster(str(model_dir), ["P", "pD"], device="cuda", python=sys.executable).plan_summary()
+    assert "--tensor-parallel-size" not in one["nodes"][0]["command"]
