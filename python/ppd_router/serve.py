@@ -21,7 +21,7 @@ _LISTS = {
 }
 _SCALARS: dict[str, tuple[type, str]] = {
     "emulated": (str, "start an emulated cluster of this layout in-process, e.g. 2P2pD, 1P_1D_2pD, 4R"),
-    "emulator_profile": (str, "emulator profile name or path (with --emulated)"),
+    "emulator_profile": (str, "emulator profile (with --emulated): h100-llama3.1-8b (default, as measured with P2pNccl), h100-llama3.1-8b-nixl, or a TOML path"),
     "policy": (str, "ppd | pd | local | fraction:X | replica (default ppd)"),
     "table": (str, "lookup table path or builtin:h100-1P3pD|h100-2P2pD|h100-3P1pD (default: by P:D ratio)"),
     "w_ttft": (float, "weight of the TTFT gain in Equation 1 (default 1)"),

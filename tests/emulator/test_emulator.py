@@ -47,6 +47,14 @@ def test_builtin_profile_loads_with_the_llama_kv_size():
         _core.load_profile("/nonexistent.toml")
 
 
+def test_nixl_variant_of_the_builtin_profile_drops_only_the_p2pnccl_costs():
+    base = json.loads(_core.load_profile("h100-llama3.1-8b"))
+    nixl = json.loads(_core.load_profile("h100-llama3.1-8b-nixl"))
+    assert base["link"]["full_prompt_transfer"] and base["link"]["push_ms"] > 0
+    assert nixl["link"]["full_prompt_transfer"] is False and nixl["link"]["push_ms"] == 0
+    assert nixl["step"] == base["step"] and nixl["link"]["gbps"] == base["link"]["gbps"]
+
+
 def test_cluster_moves_kv_from_p_to_pd_and_caches_the_next_turn():
     with _core.start_emulated_cluster("1P1pD", seed=1) as c:
         p, d = c.urls

@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 pub use layout::{node_role, parse_layout, LayoutRole};
 pub use ppd_core::emu::Profile;
-pub use profile::{load_profile, DEFAULT_PROFILE, DEFAULT_PROFILE_NAME};
+pub use profile::{load_profile, DEFAULT_PROFILE, DEFAULT_PROFILE_NAME, NIXL_PROFILE_NAME};
 
 /// What a node does with the KV connector. Every role also serves plain
 /// requests locally with its prefix cache (a D that does is a "pD").

@@ -26,17 +26,29 @@ fn parse(text: &str, origin: &str) -> Result<Profile, Error> {
     Ok(p)
 }
 
+/// The built-in profile as a NIXL deployment would run it: the calibration data came from
+/// P2pNccl, which resends the whole prompt's KV and blocks P's step on the send; with NIXL, D
+/// pulls only what its prefix cache lacks and P's step does not wait. Step costs are unchanged.
+pub const NIXL_PROFILE_NAME: &str = "h100-llama3.1-8b-nixl";
+
 /// Loads a profile: the built-in one by name (`h100-llama3.1-8b`,
-/// `engine-h100-llama3.1-8b`, `default`), else a TOML file at that path.
+/// `engine-h100-llama3.1-8b`, `default`), its NIXL variant (`h100-llama3.1-8b-nixl`),
+/// else a TOML file at that path.
 pub fn load_profile(name_or_path: &str) -> Result<Profile, Error> {
     match name_or_path.trim() {
         "" | "default" | DEFAULT_PROFILE_NAME | "engine-h100-llama3.1-8b" => {
             parse(DEFAULT_PROFILE, DEFAULT_PROFILE_NAME)
         }
+        NIXL_PROFILE_NAME => {
+            let mut p = parse(DEFAULT_PROFILE, DEFAULT_PROFILE_NAME)?;
+            p.link.full_prompt_transfer = false;
+            p.link.push_ms = 0.0;
+            Ok(p)
+        }
         path => {
             let text = std::fs::read_to_string(path).map_err(|e| {
                 Error::Config(format!(
-                    "profile {path:?}: not a built-in name ({DEFAULT_PROFILE_NAME}) and not a readable file: {e}"
+                    "profile {path:?}: not a built-in name ({DEFAULT_PROFILE_NAME}, {NIXL_PROFILE_NAME}) and not a readable file: {e}"
                 ))
             })?;
             parse(&text, path)
@@ -53,6 +65,17 @@ mod tests {
         let p = load_profile(DEFAULT_PROFILE_NAME).unwrap();
         assert_eq!(p.kv_bytes_per_token, 131_072);
         assert_eq!(p.block_size, 16);
+    }
+
+    #[test]
+    fn the_nixl_variant_pulls_only_what_d_lacks_and_keeps_the_step_costs() {
+        let base = load_profile(DEFAULT_PROFILE_NAME).unwrap();
+        let nixl = load_profile(NIXL_PROFILE_NAME).unwrap();
+        assert!(base.link.full_prompt_transfer && base.link.push_ms > 0.0);
+        assert!(!nixl.link.full_prompt_transfer);
+        assert_eq!(nixl.link.push_ms, 0.0);
+        assert_eq!(nixl.link.gbps, base.link.gbps);
+        assert_eq!(format!("{:?}", nixl.step), format!("{:?}", base.step));
     }
 
     #[test]
