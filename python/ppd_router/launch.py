@@ -180,6 +180,7 @@ class RunningNode:
     log_path: Path
     started_at: float
     ready_s: Optional[float] = None
+    exit_reported: bool = False
 
     @property
     def url(self) -> str:
@@ -379,11 +380,11 @@ def _launch(args: argparse.Namespace) -> int:
     tokenizer = Path(args.model) / "tokenizer.json"
     if "tokenizer" not in cfg and tokenizer.exists():
         cfg["tokenizer"] = str(tokenizer)  # exact n_in / n_ctx for the decision, not the word-rule estimate
-    router = build_router(cfg)  # settings are checked before any node starts
     if args.dry_run:
-        print(json.dumps(cluster.plan_summary(router_settings=json.loads(validate_router_config(json.dumps(cfg)))),
-                         indent=1))
+        settings = json.loads(validate_router_config(json.dumps(cfg)))
+        print(json.dumps(cluster.plan_summary(router_settings=settings), indent=1))
         return 0
+    router = build_router(cfg)  # settings are checked before any node starts
     signal.signal(signal.SIGTERM, _raise_interrupt)
     started = time.monotonic()
     try:
@@ -395,8 +396,8 @@ def _launch(args: argparse.Namespace) -> int:
             try:
                 while True:
                     for n in cluster.nodes:
-                        if not n.alive() and not getattr(n, "_reported", False):
-                            n._reported = True  # type: ignore[attr-defined]
+                        if not n.alive() and not n.exit_reported:
+                            n.exit_reported = True
                             print(f"vLLM node {n.plan.name} ({n.url}) exited with code {n.proc.returncode}; "
                                   f"the router routes around it. Last lines:\n{log_tail(n.log_path, 10)}",
                                   file=sys.stderr)

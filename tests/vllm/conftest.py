@@ -22,7 +22,7 @@ import pytest
 from ppd_router import Router
 from ppd_router.launch import VllmCluster
 from tests.helpers import answer_text as answer
-from tests.helpers import assistant, free_base_port, free_port, scrape, user, vllm_python
+from tests.helpers import assistant, free_base_port, free_port, metric_sum, user, vllm_python
 
 VLLM_PYTHON = os.environ.get("PPD_VLLM_PYTHON", "")
 TINYMODEL = Path(__file__).resolve().parents[2] / "python" / "ppd_router" / "tinymodel.py"
@@ -98,8 +98,6 @@ class Tier:
         names = ["vllm:request_success", "vllm:prefix_cache_hits", "vllm:external_prefix_cache_hits",
                  "vllm:prompt_tokens"]
         text = self.client.get(url + "/metrics").text
-        from tests.helpers import metric_sum
-
         return {n.split(":")[1]: metric_sum(text, n) for n in names}
 
     def snapshot(self) -> dict[str, dict[str, float]]:
@@ -138,4 +136,4 @@ def path_of(resp: httpx.Response) -> tuple[str, str, Optional[str]]:
     return resp.headers["x-ppd-path"], resp.headers["x-ppd-reason"], resp.headers.get("x-ppd-node")
 
 
-__all__ = ["Tier", "answer", "assistant", "block_floor", "conversation_start", "delta", "path_of", "scrape", "user"]
+__all__ = ["Tier", "answer", "assistant", "block_floor", "conversation_start", "delta", "path_of", "user"]
