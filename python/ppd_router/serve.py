@@ -46,7 +46,8 @@ _SCALARS: dict[str, tuple[type, str]] = {
     "replica_share": (float, "hybrid R + P/D: share of new conversations for replicas"),
     "kv_bytes_per_token": (int, "KV bytes per token for the KV-moved metrics (default 131072)"),
     "tokenizer": (str, "tokenizer.json for exact token counts (default: word rule)"),
-    "worker_threads": (int, "router I/O threads (default 0 = one per core; 1 had the lowest added latency on 2 cores)"),
+    "worker_threads": (int, "router I/O threads (default 0 = one per core)"),
+    "runtime": (str, "thread-per-core (default: a request stays on its thread) or work-stealing"),
     "log": (str, "log filter (default warn)"),
 }
 

@@ -80,3 +80,13 @@ def test_worker_threads_flag_reaches_the_router_config_and_is_range_checked(caps
     assert json.loads(capsys.readouterr().out)["worker_threads"] == 1
     assert main(base + ["--worker-threads", "5000"]) == 2
     assert "worker_threads" in capsys.readouterr().err
+
+
+def test_runtime_flag_reaches_the_router_config_and_a_bad_one_is_refused_by_name(capsys):
+    base = ["serve", "--prefill", "http://127.0.0.1:1", "--pd-capable", "http://127.0.0.1:2", "--print-config"]
+    assert main(base) == 0
+    assert json.loads(capsys.readouterr().out)["runtime"] == "thread-per-core"
+    assert main(base + ["--runtime", "work-stealing"]) == 0
+    assert json.loads(capsys.readouterr().out)["runtime"] == "work-stealing"
+    assert main(base + ["--runtime", "fibers"]) == 2
+    assert "runtime" in capsys.readouterr().err

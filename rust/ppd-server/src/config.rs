@@ -85,10 +85,14 @@ pub struct RouterConfig {
     pub tokenizer: Option<String>,
     /// Log filter (tracing `EnvFilter` syntax).
     pub log: String,
-    /// Runtime worker threads (0: one per core). A router that shares a small
-    /// machine with its nodes spends less CPU per request on one worker, as no
-    /// request is handed between threads.
+    /// Router I/O threads (0: one per core).
     pub worker_threads: usize,
+    /// `thread-per-core`: each I/O thread runs its own single-threaded runtime,
+    /// accepts its own connections and keeps its own upstream connection pool,
+    /// so a request never changes thread (no cross-thread wake-ups on the hot
+    /// path). `work-stealing`: one tokio multi-thread runtime, which evens out
+    /// uneven connections at the price of handing requests between threads.
+    pub runtime: String,
 }
 
 impl Default for RouterConfig {
@@ -126,6 +130,7 @@ impl Default for RouterConfig {
             tokenizer: None,
             log: "warn".into(),
             worker_threads: 0,
+            runtime: "thread-per-core".into(),
         }
     }
 }
@@ -283,6 +288,15 @@ impl RouterConfig {
                 ),
             ));
         }
+        if !matches!(self.runtime.as_str(), "thread-per-core" | "work-stealing") {
+            return Err(bad(
+                "runtime",
+                format!(
+                    "must be `thread-per-core` or `work-stealing`, got `{}`",
+                    self.runtime
+                ),
+            ));
+        }
         if self.breaker_failures == 0 {
             return Err(bad("breaker_failures", "must be at least 1"));
         }
@@ -359,6 +373,8 @@ mod tests {
             ("session_ttl", Box::new(|c| c.session_ttl = 0.0)),
             ("request_timeout", Box::new(|c| c.request_timeout = -3.0)),
             ("max_body_bytes", Box::new(|c| c.max_body_bytes = 0)),
+            ("runtime", Box::new(|c| c.runtime = "per-request".into())),
+            ("worker_threads", Box::new(|c| c.worker_threads = 5000)),
             (
                 "prefill",
                 Box::new(|c| c.prefill = vec!["localhost:8000".into()]),

@@ -617,7 +617,7 @@ impl Request<'_> {
             .map_err(|e| PrefillError::Retryable(format!("body rewrite: {e}")))?;
         let send = self
             .endpoint
-            .post(&self.st.client, p)
+            .post(self.st.client(), p)
             .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
             .header("x-request-id", request_id)
             .body(body)
@@ -708,7 +708,7 @@ impl Request<'_> {
         let guard = InflightGuard::new(Arc::clone(&d));
         let mut req = self
             .endpoint
-            .post(&self.st.client, &d)
+            .post(self.st.client(), &d)
             .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
             .body(body);
         if let Some(rid) = &request_id {

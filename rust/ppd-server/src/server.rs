@@ -129,12 +129,12 @@ pub async fn check_health(st: &AppState) {
     let nodes = st.registry.nodes();
     let checks = nodes.iter().map(|n| async move {
         let ok = matches!(
-            tokio::time::timeout(Duration::from_secs(2), st.client.get(format!("{}/health", n.url)).send()).await,
+            tokio::time::timeout(Duration::from_secs(2), st.client().get(format!("{}/health", n.url)).send()).await,
             Ok(Ok(r)) if r.status().is_success()
         );
         n.set_healthy(ok);
         if ok && n.role != Role::P {
-            if let Ok(Ok(r)) = tokio::time::timeout(Duration::from_secs(2), st.client.get(format!("{}/v1/models", n.url)).send()).await {
+            if let Ok(Ok(r)) = tokio::time::timeout(Duration::from_secs(2), st.client().get(format!("{}/v1/models", n.url)).send()).await {
                 if let Ok(v) = r.json::<serde_json::Value>().await {
                     return v.get("data").and_then(|d| d.as_array()).cloned().unwrap_or_default();
                 }
@@ -224,22 +224,138 @@ pub async fn run(
     if let Some(tx) = ready {
         let _ = tx.send(Arc::clone(&state));
     }
-    // Small SSE chunks must leave at once: without TCP_NODELAY a chunk written
-    // while the response head is still unacknowledged waits for the client's
-    // (delayed) ACK. The upstream side sets it in the HTTP client.
-    let listener = listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!("TCP_NODELAY on an accepted socket: {e}");
-        }
-    });
-    let served = axum::serve(listener, app(state))
-        .with_graceful_shutdown(shutdown)
-        .await;
+    let served = if state.cfg.runtime == "work-stealing" {
+        let keeper = tokio::spawn(keep_timer_wake_near());
+        let served = axum::serve(with_nodelay(listener), app(Arc::clone(&state)))
+            .with_graceful_shutdown(shutdown)
+            .await
+            .map_err(ServerError::Io);
+        keeper.abort();
+        served
+    } else {
+        let threads = io_threads(&state.cfg);
+        serve_thread_per_core(listener, Arc::clone(&state), threads, shutdown).await
+    };
     bg.abort();
     if let Some(c) = cluster {
         c.shutdown().await;
     }
-    served.map_err(ServerError::Io)
+    served
+}
+
+/// Small SSE chunks must leave at once: without TCP_NODELAY a chunk written
+/// while the response head is still unacknowledged waits for the client's
+/// (delayed) ACK. The upstream side sets it in the HTTP client.
+fn with_nodelay(
+    listener: tokio::net::TcpListener,
+) -> impl axum::serve::Listener<Io = tokio::net::TcpStream, Addr = SocketAddr> {
+    listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!("TCP_NODELAY on an accepted socket: {e}");
+        }
+    })
+}
+
+/// Tokio wakes its driver (an eventfd write, and an extra `epoll_wait` return)
+/// whenever a timer is set to fire before the driver's next planned wake-up; on
+/// an otherwise timer-less runtime that is every per-request timeout and every
+/// reset of the stream-idle timer, several per request. A tick every 100 ms
+/// keeps the next wake-up near, so timeouts of a second or more never force one.
+async fn keep_timer_wake_near() {
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+    }
+}
+
+fn io_threads(cfg: &RouterConfig) -> usize {
+    if cfg.worker_threads > 0 {
+        cfg.worker_threads
+    } else {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    }
+}
+
+/// Serves with `threads` OS threads, each a single-threaded runtime accepting
+/// from the shared listening socket: a connection, its requests, their
+/// upstream calls (per-thread pools, [`AppState::client`]) and the relayed
+/// stream all stay on the thread that accepted it. Returns when `shutdown`
+/// resolves and every thread has let its open streams finish, or at once with
+/// the error of a thread that failed.
+async fn serve_thread_per_core(
+    listener: tokio::net::TcpListener,
+    state: Arc<AppState>,
+    threads: usize,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
+    let shared = listener.into_std().map_err(ServerError::Io)?;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut running = tokio::task::JoinSet::new();
+    for i in 0..threads {
+        let socket = shared.try_clone().map_err(ServerError::Io)?;
+        let st = Arc::clone(&state);
+        let mut stop = stop_rx.clone();
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel::<std::io::Result<()>>();
+        std::thread::Builder::new()
+            .name(format!("ppd-router-io-{i}"))
+            .spawn(move || {
+                let served = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .and_then(|rt| {
+                        rt.block_on(async move {
+                            tokio::spawn(keep_timer_wake_near());
+                            let listener = tokio::net::TcpListener::from_std(socket)?;
+                            axum::serve(with_nodelay(listener), app(st))
+                                .with_graceful_shutdown(async move {
+                                    let _ = stop.wait_for(|stopped| *stopped).await;
+                                })
+                                .await
+                        })
+                    });
+                let _ = done_tx.send(served);
+            })
+            .map_err(ServerError::Io)?;
+        running.spawn(done_rx);
+    }
+    drop(shared);
+    let mut first_error = None;
+    tokio::select! {
+        () = shutdown => {}
+        Some(ended) = running.join_next() => {
+            // A thread that stops before shutdown has failed: stop the others too.
+            first_error = Some(match io_thread_error(ended) {
+                Ok(()) => Err(ServerError::Config("a router I/O thread stopped on its own".into())),
+                failed => failed,
+            });
+        }
+    }
+    let _ = stop_tx.send(true);
+    while let Some(ended) = running.join_next().await {
+        let e = io_thread_error(ended);
+        if first_error.is_none() {
+            first_error = Some(e);
+        }
+    }
+    match first_error {
+        Some(Err(e)) => Err(e),
+        _ => Ok(()),
+    }
+}
+
+fn io_thread_error(
+    ended: Result<
+        Result<std::io::Result<()>, tokio::sync::oneshot::error::RecvError>,
+        tokio::task::JoinError,
+    >,
+) -> Result<(), ServerError> {
+    match ended {
+        Ok(Ok(Ok(()))) => Ok(()),
+        Ok(Ok(Err(e))) => Err(ServerError::Io(e)),
+        // The thread ended without reporting: it panicked.
+        Ok(Err(_)) | Err(_) => Err(ServerError::Config("a router I/O thread panicked".into())),
+    }
 }
 
 pub async fn bind(host: &str, port: u16) -> Result<tokio::net::TcpListener, ServerError> {
@@ -249,7 +365,9 @@ pub async fn bind(host: &str, port: u16) -> Result<tokio::net::TcpListener, Serv
         .map_err(|e| ServerError::Config(format!("cannot listen on {addr}: {e}")))
 }
 
-/// The router's runtime: `worker_threads` workers, or one per core.
+/// The router's main runtime (`worker_threads` workers, or one per core): it
+/// runs health checks, discovery and embedded nodes, and under `work-stealing`
+/// also serves requests; under `thread-per-core` requests never touch it.
 fn runtime(cfg: &RouterConfig) -> Result<tokio::runtime::Runtime, ServerError> {
     let mut b = tokio::runtime::Builder::new_multi_thread();
     if cfg.worker_threads > 0 {

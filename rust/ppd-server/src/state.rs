@@ -6,6 +6,7 @@ use serde::Serialize;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use thread_local::ThreadLocal;
 
 use ppd_core::qps::QpsEstimator;
 use ppd_core::session::{SessionConfig, SessionTable};
@@ -93,7 +94,11 @@ pub struct AppState {
     pub registry: Registry,
     pub qps: Mutex<QpsEstimator>,
     pub metrics: Metrics,
-    pub client: reqwest::Client,
+    /// One HTTP client (and so one upstream connection pool) per thread: see
+    /// [`AppState::client`].
+    clients: ThreadLocal<reqwest::Client>,
+    /// Built at start, so a client that cannot be built is a start-up error.
+    first_client: reqwest::Client,
     pub counter: Arc<dyn TokenCounter>,
     pub stats: Mutex<DecisionStats>,
     /// Model entries of `/v1/models`, gathered from the nodes.
@@ -130,13 +135,8 @@ impl AppState {
             }
             None => Arc::new(WordRule),
         };
-        let client = reqwest::Client::builder()
-            .connect_timeout(Duration::from_secs_f64(cfg.connect_timeout))
-            .pool_idle_timeout(Duration::from_secs(90))
-            .pool_max_idle_per_host(1024)
-            .tcp_nodelay(true)
-            .build()
-            .map_err(|e| ServerError::Config(format!("HTTP client: {e}")))?;
+        let first_client =
+            http_client(&cfg).map_err(|e| ServerError::Config(format!("HTTP client: {e}")))?;
         let started_wall_ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)
@@ -149,7 +149,8 @@ impl AppState {
             registry,
             qps: Mutex::new(qps),
             metrics: Metrics::new(),
-            client,
+            clients: ThreadLocal::new(),
+            first_client,
             counter,
             stats: Mutex::new(DecisionStats::default()),
             models: ArcSwap::from_pointee(Vec::new()),
@@ -171,6 +172,15 @@ impl AppState {
             }
         }
         Ok(state)
+    }
+
+    /// The calling thread's HTTP client. A pooled connection is driven by a
+    /// task on the runtime that opened it; with a pool per thread, a request on
+    /// a thread-per-core I/O thread only uses connections driven on that same
+    /// thread, so no wake-up crosses threads.
+    pub fn client(&self) -> &reqwest::Client {
+        self.clients
+            .get_or(|| http_client(&self.cfg).unwrap_or_else(|_| self.first_client.clone()))
     }
 
     /// Wall-clock milliseconds that never step back (monotonic since start).
@@ -226,4 +236,13 @@ impl AppState {
         });
         out
     }
+}
+
+fn http_client(cfg: &RouterConfig) -> reqwest::Result<reqwest::Client> {
+    reqwest::Client::builder()
+        .connect_timeout(Duration::from_secs_f64(cfg.connect_timeout))
+        .pool_idle_timeout(Duration::from_secs(90))
+        .pool_max_idle_per_host(1024)
+        .tcp_nodelay(true)
+        .build()
 }
