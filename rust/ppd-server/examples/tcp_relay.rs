@@ -1,4 +1,4 @@
-//! The floor under any proxy on this machine, for bench/scripts/router_overhead.py: a bare
+//! The floor under any proxy on this machine, for bench/scripts/router_overhead_paired.py: a bare
 //! TCP relay (no HTTP parsing, no routing) that copies each accepted connection to one
 //! upstream. Whatever it adds over calling the node directly, every router adds too.
 //!

@@ -1,0 +1,261 @@
+"""Added TTFT of the router, measured in pairs: the routed load and a direct probe run at the same time.
+
+Why paired: on this shared 2-core machine the TTFT of one 8-second run drifts by more than the
+router adds (direct p99 moved between 9 and 20 ms from one run to the next), so subtracting
+percentiles of runs taken minutes apart (``router_overhead.py``) mixes machine drift into the
+result. Here each measurement runs two open-loop load generators concurrently against the same
+emulator nodes: the routed target at the full rate R, and its baseline at ``--probe-share`` x R.
+Both see the same node load and the same machine weather; the added TTFT is the difference of
+their percentiles in that one window (the median over repetitions is reported).
+
+Pairs (routed target vs its baseline):
+
+  relay_t2      vs direct_t2     bare TCP relay in front of the pD node (ppd-server's tcp_relay
+                                 example): the floor that any proxy process adds on this machine
+  ppd_local_t2  vs direct_t2     ppd-router serve, path local, default runtime (thread-per-core)
+  ws_local_t2   vs direct_t2     ppd-router serve --runtime work-stealing, path local
+  one_local_t2  vs direct_t2     ppd-router serve --worker-threads 1 (one I/O thread), path local
+  ppd_pd_t1     vs client_pd_t1  ppd-router, path pd (P then D), vs the NIXL exchange done by
+                                 the load generator itself (a zero-cost router)
+  vllm_pd_t1    vs client_pd_t1  PyPI vllm-router --vllm-pd-disaggregation on the same nodes
+
+It also reports the CPU each router process spent per request it served in the window.
+
+    . .venv/bin/activate
+    cargo build --release -p ppd-server --example tcp_relay
+    python bench/scripts/router_overhead_paired.py --rates 500 2000 --reps 5 --duration 8 \
+        --out bench/results/overhead-paired.json
+    python bench/scripts/router_overhead_paired.py --report bench/results/overhead-paired.json
+
+Every process started here is stopped at the end; vllm-router comes from .venv-bench
+(python -m venv .venv-bench && .venv-bench/bin/pip install vllm-router).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from router_overhead import (  # noqa: E402 - the sibling script's process and load helpers
+    LOADGEN,
+    PROFILE,
+    WARMUP,
+    Procs,
+    bodies,
+    build_info,
+    build_loadgen,
+    cpu_seconds,
+    free_port,
+    loadavg,
+    wait_http,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+RELAY = ROOT / "target" / "release" / "examples" / "tcp_relay"
+PAIRS = [
+    ("relay_t2", "direct_t2"),
+    ("ppd_local_t2", "direct_t2"),
+    ("ws_local_t2", "direct_t2"),
+    ("one_local_t2", "direct_t2"),
+    ("ppd_pd_t1", "client_pd_t1"),
+    ("vllm_pd_t1", "client_pd_t1"),
+]
+# ppd-router instances: key -> extra `serve` flags
+PPD_ROUTERS = {"ppd": [], "ws": ["--runtime", "work-stealing"], "one": ["--worker-threads", "1"]}
+ROUTER_OF = {"relay_t2": "relay", "ppd_local_t2": "ppd", "ws_local_t2": "ws", "one_local_t2": "one",
+             "ppd_pd_t1": "ppd",
+             "vllm_pd_t1": "vllm"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rates", type=float, nargs="+", default=[500.0, 2000.0], help="routed rates, req/s")
+    ap.add_argument("--probe-share", type=float, default=0.25, help="baseline rate as a share of the routed rate")
+    ap.add_argument("--duration", type=float, default=8.0)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--pairs", nargs="*", default=[p[0] for p in PAIRS if p[0] != "one_local_t2"],
+                    help="routed targets to measure (one_local_t2 only when named)")
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--sessions", type=int, default=256)
+    ap.add_argument("--timeout", type=float, default=5.0)
+    ap.add_argument("--vllm-router", default=str(ROOT / ".venv-bench" / "bin" / "vllm-router"))
+    ap.add_argument("--out")
+    ap.add_argument("--report", metavar="JSON", help="print the tables of a saved run and exit")
+    args = ap.parse_args()
+    if args.report:
+        report(json.loads(Path(args.report).read_text()))
+        return
+
+    build_loadgen()
+    if not RELAY.exists():
+        raise SystemExit(f"{RELAY} missing: cargo build --release -p ppd-server --example tcp_relay")
+    ppd = str(Path(sys.executable).parent / "ppd-router")
+    have_vllm = Path(args.vllm_router).exists()
+    pairs = [p for p in PAIRS if p[0] in args.pairs and (have_vllm or p[0] != "vllm_pd_t1")]
+    tmp = Path(tempfile.mkdtemp(prefix="router-overhead-paired-"))
+    t1, t2 = bodies(tmp, args.max_tokens)
+    procs = Procs(tmp)
+    port = {k: free_port() for k in ("P", "D", *PPD_ROUTERS, "vllm", "relay")}
+    url = {k: f"http://127.0.0.1:{v}" for k, v in port.items()}
+    results: dict = {"runs": [], "meta": {
+        "rates": args.rates, "probe_share": args.probe_share, "duration_s": args.duration, "reps": args.reps,
+        "max_tokens": args.max_tokens, "nproc": os.cpu_count(),
+        "start_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "logs": str(tmp), "build": build_info(),
+        "argv": sys.argv}}
+    try:
+        pid = {}
+        for role, key in (("P", "P"), ("pD", "D")):
+            p = procs.start(f"emu-{key}", [ppd, "emulate", "--role", role, "--port", str(port[key]),
+                                            "--profile", str(PROFILE)])
+            wait_http(url[key] + "/health", 30, p)
+            pid[key] = p.pid
+        for key in {ROUTER_OF[p[0]] for p in pairs} & PPD_ROUTERS.keys():
+            r = procs.start(f"router-{key}", [ppd, "serve", "--prefill", url["P"], "--pd-capable", url["D"],
+                                              "--policy", "local", *PPD_ROUTERS[key], "--port", str(port[key])])
+            wait_http(url[key] + "/health", 30, r)
+            pid[key] = r.pid
+        relay = procs.start("relay", [str(RELAY), str(port["relay"]), f"127.0.0.1:{port['D']}"])
+        wait_http(url["relay"] + "/health", 30, relay)
+        pid["relay"] = relay.pid
+        if have_vllm and any(p[0] == "vllm_pd_t1" for p in pairs):
+            v = procs.start("vllm-router", [args.vllm_router, "--vllm-pd-disaggregation", "--prefill", url["P"],
+                                            "--decode", url["D"], "--policy", "round_robin", "--host", "127.0.0.1",
+                                            "--port", str(port["vllm"])])
+            wait_http(url["vllm"] + "/health", 60, v)
+            pid["vllm"] = v.pid
+            results["meta"]["vllm_router_version"] = subprocess.run(
+                [str(Path(args.vllm_router).parent / "python"), "-c",
+                 "import importlib.metadata as m; print(m.version('vllm-router'))"],
+                capture_output=True, text=True).stdout.strip()
+
+        def loadgen_argv(target: str, rate: float, seed: int) -> list[str]:
+            argv = [str(LOADGEN), "--rate", str(rate), "--duration", str(args.duration),
+                    "--timeout", str(args.timeout), "--seed", str(seed)]
+            router = ROUTER_OF.get(target)
+            if target == "client_pd_t1":
+                argv += ["--client-pd", "--prefill", url["P"], "--decode", url["D"]]
+            else:
+                argv += ["--target", url[router] if router else url["D"]]
+            if target.endswith("t1"):
+                argv += ["--body", str(t1), "--unique-sessions", "--session-prefix", f"{target}-{seed}-"]
+            else:
+                argv += ["--body", str(t2), "--sessions", str(args.sessions), "--session-prefix", f"s{seed}-"]
+                if router in PPD_ROUTERS:  # sessions need a Turn 1 through the router to be local
+                    argv += ["--prime-body", str(t1)]
+            return argv
+
+        def pair(routed: str, base: str, rate: float, seed: int) -> dict:
+            router = ROUTER_OF[routed]
+            argvs = {"routed": loadgen_argv(routed, rate, seed),
+                     "base": loadgen_argv(base, rate * args.probe_share, seed + 1)}
+            c0 = cpu_seconds(pid[router])
+            la0 = loadavg()
+            running = {k: subprocess.Popen(a, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                       for k, a in argvs.items()}
+            out = {}
+            for k, p in running.items():
+                stdout, stderr = p.communicate(timeout=args.duration + args.timeout + 120)
+                if p.returncode != 0:
+                    raise SystemExit(f"loadgen {k} failed ({p.returncode}): {stderr[-2000:]}")
+                out[k] = json.loads(stdout)
+            for key, p_id in pid.items():
+                if any(p.pid == p_id and p.poll() is not None for p in procs.procs):
+                    raise SystemExit(f"{key} exited during the run; logs in {tmp}")
+            served = out["routed"]["sent"] + WARMUP + (args.sessions if "--prime-body" in argvs["routed"] else 0)
+            cpu = cpu_seconds(pid[router]) - c0
+            return {"routed": routed, "base": base, "rate": rate, "seed": seed,
+                    "router_cpu_s": round(cpu, 3), "router_cpu_us_per_req": round(1e6 * cpu / served, 1),
+                    "loadavg_before_after": [la0, loadavg()], "argv": argvs,
+                    "routed_summary": out["routed"], "base_summary": out["base"]}
+
+        for rep in range(args.reps):
+            for rate in args.rates:
+                order = pairs[rep % len(pairs):] + pairs[:rep % len(pairs)]  # no target always first
+                for i, (routed, base) in enumerate(order):
+                    r = pair(routed, base, rate, seed=10_000 * rep + 100 * i + int(rate))
+                    r["rep"] = rep
+                    results["runs"].append(r)
+                    print(line(r), flush=True)
+    finally:
+        procs.stop_all()
+        results["meta"]["end_utc"] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=1))
+    report(results)
+
+
+def added(r: dict, q: str) -> float | None:
+    a, b = r["routed_summary"]["ttft_us"].get(q), r["base_summary"]["ttft_us"].get(q)
+    return None if a is None or b is None else a - b
+
+
+def line(r: dict) -> str:
+    s, b = r["routed_summary"], r["base_summary"]
+    return (f"rep {r['rep']} {r['routed']:>12} @ {r['rate']:>5g}/s: ok {s['ok']}/{s['arrivals']} "
+            f"p50 {s['ttft_us']['p50']:.0f} p99 {s['ttft_us']['p99']:.0f} | {r['base']} ok {b['ok']}/{b['arrivals']} "
+            f"p50 {b['ttft_us']['p50']:.0f} p99 {b['ttft_us']['p99']:.0f} | added p50 {added(r, 'p50'):+.0f} "
+            f"p99 {added(r, 'p99'):+.0f} us, router {r['router_cpu_us_per_req']:.0f} us CPU/req, "
+            f"paths {s['paths']} errors {s['errors']}")
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def report(results: dict) -> None:
+    runs = results["runs"]
+    m = results["meta"]
+    print(f"\nbuild {m['build'].get('head')} (sources dirty: {m['build'].get('rust_sources_dirty')}), "
+          f"{m['start_utc']} - {m.get('end_utc')} UTC, {m['reps']} reps x {m['duration_s']} s, "
+          f"baseline at {m['probe_share']:g} x the routed rate; vllm-router {m.get('vllm_router_version', '-')}")
+    print("\nAdded TTFT (routed - baseline in the same window), µs: median over repetitions [min .. max]; "
+          "router CPU µs per request; success")
+    print("| routed | baseline | rate/s | added p50 | added p99 | routed p50 / p99 | baseline p50 / p99 "
+          "| router CPU µs/req | routed ok |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    seen = []
+    for r in runs:
+        if (r["routed"], r["rate"]) not in seen:
+            seen.append((r["routed"], r["rate"]))
+    for routed, rate in seen:
+        rs = [r for r in runs if r["routed"] == routed and r["rate"] == rate]
+        a50 = [added(r, "p50") for r in rs if added(r, "p50") is not None]
+        a99 = [added(r, "p99") for r in rs if added(r, "p99") is not None]
+        ok = sum(r["routed_summary"]["ok"] for r in rs)
+        arr = sum(r["routed_summary"]["arrivals"] for r in rs)
+        print(f"| {routed} | {rs[0]['base']} | {rate:g} | {med(a50):+.0f} [{min(a50):+.0f} .. {max(a50):+.0f}] "
+              f"| {med(a99):+.0f} [{min(a99):+.0f} .. {max(a99):+.0f}] "
+              f"| {med([r['routed_summary']['ttft_us']['p50'] for r in rs]):.0f} / "
+              f"{med([r['routed_summary']['ttft_us']['p99'] for r in rs]):.0f} "
+              f"| {med([r['base_summary']['ttft_us']['p50'] for r in rs]):.0f} / "
+              f"{med([r['base_summary']['ttft_us']['p99'] for r in rs]):.0f} "
+              f"| {med([r['router_cpu_us_per_req'] for r in rs]):.0f} | {ok}/{arr} |")
+    rates = sorted({r["rate"] for r in runs})
+    print("\nppd-router / vllm-router, PD path, same nodes, same run (< 1: ppd-router better)")
+    print("| rate/s | added p50 ratio | added p99 ratio | routed TTFT p50 ratio | routed TTFT p99 ratio "
+          "| CPU/req ratio |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for rate in rates:
+        def mv(routed: str, f) -> float:
+            return med([f(r) for r in runs if r["routed"] == routed and r["rate"] == rate])
+        if not any(r["routed"] == "vllm_pd_t1" and r["rate"] == rate for r in runs):
+            continue
+        cells = []
+        for f in (lambda r: added(r, "p50"), lambda r: added(r, "p99"),
+                  lambda r: r["routed_summary"]["ttft_us"]["p50"], lambda r: r["routed_summary"]["ttft_us"]["p99"],
+                  lambda r: r["router_cpu_us_per_req"]):
+            a, b = mv("ppd_pd_t1", f), mv("vllm_pd_t1", f)
+            cells.append(f"{a / b:.2f}" if b and b > 0 and a == a else "n/a")
+        print(f"| {rate:g} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
