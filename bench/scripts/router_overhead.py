@@ -194,6 +194,50 @@ def bodies(tmp: Path, max_tokens: int) -> tuple[Path, Path]:
     return p1, p2
 
 
+def start_nodes(procs: Procs, ppd: str, port: dict, url: dict) -> dict:
+    """One P and one pD emulator node on the zero-compute profile; returns their pids by key."""
+    pid = {}
+    for role, key in (("P", "P"), ("pD", "D")):
+        p = procs.start(f"emu-{key}", [ppd, "emulate", "--role", role, "--port", str(port[key]),
+                                        "--profile", str(PROFILE)])
+        wait_http(url[key] + "/health", 30, p)
+        pid[key] = p.pid
+    return pid
+
+
+def start_vllm_router(procs: Procs, exe: str, url: dict, port: int) -> tuple[int, str]:
+    """PyPI vllm-router in PD mode over the same P and D; returns its pid and package version."""
+    v = procs.start("vllm-router", [exe, "--vllm-pd-disaggregation", "--prefill", url["P"],
+                                    "--decode", url["D"], "--policy", "round_robin", "--host", "127.0.0.1",
+                                    "--port", str(port)])
+    wait_http(f"http://127.0.0.1:{port}/health", 60, v)
+    version = subprocess.run([str(Path(exe).parent / "python"), "-c",
+                              "import importlib.metadata as m; print(m.version('vllm-router'))"],
+                             capture_output=True, text=True).stdout.strip()
+    return v.pid, version
+
+
+def loadgen_argv(target: str, target_url: str | None, url: dict, rate: float, duration: float, timeout: float,
+                 seed: int, bodies: tuple[Path, Path], sessions: int, prime: bool, t1_prefix: str) -> list[str]:
+    """The load generator's command for one target: `client_pd_t1` does the NIXL exchange itself,
+    `*_t1` sends unique Turn-1 conversations, `*_t2` Turn 2 of `sessions` conversations (primed
+    with a Turn 1 through the target when `prime`, so a router holds their sessions)."""
+    argv = [str(LOADGEN), "--rate", str(rate), "--duration", str(duration), "--timeout", str(timeout),
+            "--seed", str(seed)]
+    if target == "client_pd_t1":
+        argv += ["--client-pd", "--prefill", url["P"], "--decode", url["D"]]
+    else:
+        argv += ["--target", target_url or url["D"]]
+    t1, t2 = bodies
+    if target.endswith("t1"):
+        argv += ["--body", str(t1), "--unique-sessions", "--session-prefix", t1_prefix]
+    else:
+        argv += ["--body", str(t2), "--sessions", str(sessions), "--session-prefix", f"s{seed}-"]
+        if prime:
+            argv += ["--prime-body", str(t1)]
+    return argv
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rates", type=float, nargs="+", default=[500.0, 2000.0])
@@ -232,12 +276,7 @@ def main() -> None:
         "vllm_router": have_vllm, "router_b": args.router_b, "ppd_settings": args.ppd_setting,
         "logs": str(tmp), "build": build_info()}}
     try:
-        pid = {}
-        for role, key in (("P", "P"), ("pD", "D")):
-            p = procs.start(f"emu-{key}", [ppd, "emulate", "--role", role, "--port", str(port[key]),
-                                            "--profile", str(PROFILE)])
-            wait_http(url[key] + "/health", 30, p)
-            pid[key] = p.pid
+        pid = start_nodes(procs, ppd, port, url)
         extra = tmp / "ppd-settings.toml"
         extra.write_text("".join(f"{kv.split('=', 1)[0].strip()} = {kv.split('=', 1)[1].strip()}\n"
                                  for kv in args.ppd_setting))
@@ -253,31 +292,14 @@ def main() -> None:
             wait_http(url["b"] + "/health", 30, b)
             pid["b"] = b.pid
         if have_vllm:
-            v = procs.start("vllm-router", [args.vllm_router, "--vllm-pd-disaggregation",
-                                            "--prefill", url["P"], "--decode", url["D"],
-                                            "--policy", "round_robin", "--host", "127.0.0.1",
-                                            "--port", str(port["vllm"])])
-            wait_http(url["vllm"] + "/health", 60, v)
-            pid["vllm"] = v.pid
-            results["meta"]["vllm_router_version"] = subprocess.run(
-                [str(Path(args.vllm_router).parent / "python"), "-c",
-                 "import importlib.metadata as m; print(m.version('vllm-router'))"],
-                capture_output=True, text=True).stdout.strip()
+            pid["vllm"], results["meta"]["vllm_router_version"] = start_vllm_router(
+                procs, args.vllm_router, url, port["vllm"])
 
         def run(target: str, rate: float, duration: float, seed: int) -> dict:
-            argv = [str(LOADGEN), "--rate", str(rate), "--duration", str(duration), "--timeout", str(args.timeout),
-                    "--seed", str(seed), "--threads", str(args.loadgen_threads)]
             router = ROUTER_OF.get(target)
-            if target == "client_pd_t1":
-                argv += ["--client-pd", "--prefill", url["P"], "--decode", url["D"]]
-            else:
-                argv += ["--target", url[router] if router else url["D"]]
-            if target.endswith("t1"):
-                argv += ["--body", str(t1), "--unique-sessions", "--session-prefix", f"{target}-"]
-            else:
-                argv += ["--body", str(t2), "--sessions", str(args.sessions), "--session-prefix", f"s{seed}-"]
-                if router:
-                    argv += ["--prime-body", str(t1)]
+            argv = loadgen_argv(target, url[router] if router else None, url, rate, duration, args.timeout, seed,
+                                (t1, t2), args.sessions, prime=router is not None, t1_prefix=f"{target}-")
+            argv += ["--threads", str(args.loadgen_threads)]
             watched = {k: pid[k] for k in ("P", "D")} | ({router: pid[router]} if router else {})
             c0 = {k: cpu_seconds(p) for k, p in watched.items()}
             la0 = loadavg()

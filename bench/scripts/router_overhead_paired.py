@@ -45,8 +45,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from router_overhead import (  # noqa: E402 - the sibling script's process and load helpers
-    LOADGEN,
-    PROFILE,
     WARMUP,
     Procs,
     bodies,
@@ -55,6 +53,9 @@ from router_overhead import (  # noqa: E402 - the sibling script's process and l
     cpu_seconds,
     free_port,
     loadavg,
+    loadgen_argv,
+    start_nodes,
+    start_vllm_router,
     wait_http,
 )
 
@@ -111,12 +112,7 @@ def main() -> None:
         "start_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "logs": str(tmp), "build": build_info(),
         "argv": sys.argv}}
     try:
-        pid = {}
-        for role, key in (("P", "P"), ("pD", "D")):
-            p = procs.start(f"emu-{key}", [ppd, "emulate", "--role", role, "--port", str(port[key]),
-                                            "--profile", str(PROFILE)])
-            wait_http(url[key] + "/health", 30, p)
-            pid[key] = p.pid
+        pid = start_nodes(procs, ppd, port, url)
         for key in {ROUTER_OF[p[0]] for p in pairs} & PPD_ROUTERS.keys():
             r = procs.start(f"router-{key}", [ppd, "serve", "--prefill", url["P"], "--pd-capable", url["D"],
                                               "--policy", "local", *PPD_ROUTERS[key], "--port", str(port[key])])
@@ -126,36 +122,20 @@ def main() -> None:
         wait_http(url["relay"] + "/health", 30, relay)
         pid["relay"] = relay.pid
         if have_vllm and any(p[0] == "vllm_pd_t1" for p in pairs):
-            v = procs.start("vllm-router", [args.vllm_router, "--vllm-pd-disaggregation", "--prefill", url["P"],
-                                            "--decode", url["D"], "--policy", "round_robin", "--host", "127.0.0.1",
-                                            "--port", str(port["vllm"])])
-            wait_http(url["vllm"] + "/health", 60, v)
-            pid["vllm"] = v.pid
-            results["meta"]["vllm_router_version"] = subprocess.run(
-                [str(Path(args.vllm_router).parent / "python"), "-c",
-                 "import importlib.metadata as m; print(m.version('vllm-router'))"],
-                capture_output=True, text=True).stdout.strip()
+            pid["vllm"], results["meta"]["vllm_router_version"] = start_vllm_router(
+                procs, args.vllm_router, url, port["vllm"])
 
-        def loadgen_argv(target: str, rate: float, seed: int) -> list[str]:
-            argv = [str(LOADGEN), "--rate", str(rate), "--duration", str(args.duration),
-                    "--timeout", str(args.timeout), "--seed", str(seed)]
+        def argv_for(target: str, rate: float, seed: int) -> list[str]:
             router = ROUTER_OF.get(target)
-            if target == "client_pd_t1":
-                argv += ["--client-pd", "--prefill", url["P"], "--decode", url["D"]]
-            else:
-                argv += ["--target", url[router] if router else url["D"]]
-            if target.endswith("t1"):
-                argv += ["--body", str(t1), "--unique-sessions", "--session-prefix", f"{target}-{seed}-"]
-            else:
-                argv += ["--body", str(t2), "--sessions", str(args.sessions), "--session-prefix", f"s{seed}-"]
-                if router in PPD_ROUTERS:  # sessions need a Turn 1 through the router to be local
-                    argv += ["--prime-body", str(t1)]
-            return argv
+            # relay_t2 is not primed: the bare relay holds no sessions.
+            return loadgen_argv(target, url[router] if router else None, url, rate, args.duration, args.timeout,
+                                seed, (t1, t2), args.sessions, prime=router in PPD_ROUTERS,
+                                t1_prefix=f"{target}-{seed}-")
 
         def pair(routed: str, base: str, rate: float, seed: int) -> dict:
             router = ROUTER_OF[routed]
-            argvs = {"routed": loadgen_argv(routed, rate, seed),
-                     "base": loadgen_argv(base, rate * args.probe_share, seed + 1)}
+            argvs = {"routed": argv_for(routed, rate, seed),
+                     "base": argv_for(base, rate * args.probe_share, seed + 1)}
             c0 = cpu_seconds(pid[router])
             la0 = loadavg()
             running = {k: subprocess.Popen(a, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
