@@ -80,6 +80,7 @@ def plan_nodes(roles: Sequence[str], *, device: str, base_port: int, host: str =
             raise ValueError(f"--gpus {','.join(gpus)}: {len(roles)} nodes need {need} GPUs{each}")
     else:
         cpus = list(cpus) if cpus else sorted(os.sched_getaffinity(0))
+        node_cpus = cpu_placement(roles, cpus)
     counts: dict[str, int] = {}
     plans = []
     for i, role in enumerate(roles):
@@ -89,11 +90,26 @@ def plan_nodes(roles: Sequence[str], *, device: str, base_port: int, host: str =
             role=role, index=k, host=host, port=base_port + i,
             side_channel_port=base_port + SIDE_CHANNEL_OFFSET + i,
             kv_events_port=base_port + KV_EVENTS_OFFSET + i,
-            # More nodes than cores share cores round-robin: slower, but each keeps one pinned thread.
-            cpu=cpus[i % len(cpus)] if device == "cpu" else None,
+            cpu=node_cpus[i] if device == "cpu" else None,
             gpu=",".join(gpus[i * gpus_per_node:(i + 1) * gpus_per_node]) if device == "cuda" else None,
         ))
     return plans
+
+
+def cpu_placement(roles: Sequence[str], cpus: Sequence[int]) -> list[int]:
+    """One pinned core per node; with more nodes than cores, P nodes keep cores of their own.
+
+    A NIXL pull over UCX's TCP transport needs P's side to make progress. In the vLLM tier on 2
+    cores, the pD that shared P's core took 22–82 s for its first pulls (P90, 3 of 3 runs; once
+    past P's KV lease, failing a test), while the pD on the other core took milliseconds. So P
+    nodes take distinct cores first and the other nodes share the rest round-robin (all cores
+    when the P nodes use them all)."""
+    prefill = [i for i, r in enumerate(roles) if r == "P"]
+    placed: dict[int, int] = {i: cpus[k % len(cpus)] for k, i in enumerate(prefill)}
+    shared = [c for c in cpus if c not in placed.values()] or list(cpus)
+    others = [i for i in range(len(roles)) if i not in placed]
+    placed.update({i: shared[k % len(shared)] for k, i in enumerate(others)})
+    return [placed[i] for i in range(len(roles))]
 
 
 def kv_transfer_config(role: str, device: str) -> Optional[dict[str, Any]]:

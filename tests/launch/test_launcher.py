@@ -109,6 +109,14 @@ def test_cpu_nodes_are_pinned_round_robin_over_the_given_cores() -> None:
     assert all(p.gpu is None for p in plans)
 
 
+def test_prefill_nodes_keep_cores_of_their_own_when_nodes_outnumber_cores() -> None:
+    # A D on P's core pulls its KV late: D nodes share the cores P does not use.
+    assert [p.cpu for p in plan_nodes(["P", "pD", "pD"], device="cpu", base_port=9000, cpus=[0, 1])] == [0, 1, 1]
+    assert [p.cpu for p in plan_nodes(["pD", "P", "D", "pD"], device="cpu", base_port=9000,
+                                      cpus=[0, 1, 2])] == [1, 0, 2, 1]
+    assert [p.cpu for p in plan_nodes(["R", "P", "pD"], device="cpu", base_port=9000, cpus=[3])] == [3, 3, 3]
+
+
 def test_cpu_pinning_defaults_to_this_process_affinity() -> None:
     plans = plan_nodes(["P", "pD"], device="cpu", base_port=9000)
     allowed = sorted(os.sched_getaffinity(0))
