@@ -12,6 +12,7 @@ is stopped, by process group, on exit.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -78,9 +79,9 @@ def plan_nodes(roles: Sequence[str], *, device: str, base_port: int, host: str =
         if len(gpus) < need:
             each = f" ({gpus_per_node} each)" if gpus_per_node > 1 else ""
             raise ValueError(f"--gpus {','.join(gpus)}: {len(roles)} nodes need {need} GPUs{each}")
-    else:
-        cpus = list(cpus) if cpus else sorted(os.sched_getaffinity(0))
-        node_cpus = cpu_placement(roles, cpus)
+    node_cpus: list[Optional[int]] = [None] * len(roles)
+    if device == "cpu":
+        node_cpus = [*cpu_placement(roles, list(cpus) if cpus else sorted(os.sched_getaffinity(0)))]
     counts: dict[str, int] = {}
     plans = []
     for i, role in enumerate(roles):
@@ -90,7 +91,7 @@ def plan_nodes(roles: Sequence[str], *, device: str, base_port: int, host: str =
             role=role, index=k, host=host, port=base_port + i,
             side_channel_port=base_port + SIDE_CHANNEL_OFFSET + i,
             kv_events_port=base_port + KV_EVENTS_OFFSET + i,
-            cpu=node_cpus[i] if device == "cpu" else None,
+            cpu=node_cpus[i],
             gpu=",".join(gpus[i * gpus_per_node:(i + 1) * gpus_per_node]) if device == "cuda" else None,
         ))
     return plans
@@ -104,12 +105,10 @@ def cpu_placement(roles: Sequence[str], cpus: Sequence[int]) -> list[int]:
     past P's KV lease, failing a test), while the pD on the other core took milliseconds. So P
     nodes take distinct cores first and the other nodes share the rest round-robin (all cores
     when the P nodes use them all)."""
-    prefill = [i for i, r in enumerate(roles) if r == "P"]
-    placed: dict[int, int] = {i: cpus[k % len(cpus)] for k, i in enumerate(prefill)}
-    shared = [c for c in cpus if c not in placed.values()] or list(cpus)
-    others = [i for i in range(len(roles)) if i not in placed]
-    placed.update({i: shared[k % len(shared)] for k, i in enumerate(others)})
-    return [placed[i] for i in range(len(roles))]
+    prefill_cpus = itertools.cycle(cpus)
+    placed = {i: next(prefill_cpus) for i, role in enumerate(roles) if role == "P"}
+    shared = itertools.cycle([c for c in cpus if c not in placed.values()] or cpus)
+    return [placed[i] if i in placed else next(shared) for i in range(len(roles))]
 
 
 def kv_transfer_config(role: str, device: str) -> Optional[dict[str, Any]]:
