@@ -254,7 +254,7 @@ def report(args) -> None:
         "same_winner": {"agree": agree, "cells": total, "share": round(agree / max(total, 1), 4)},
         "core_within_15pct": sum(core_ok.values()),
     }
-    # The subset the Rust regression test (rust/ppd-emulator/tests/calibration.rs) re-simulates.
+    # The subset the Rust regression test (rust/ppd-model/tests/calibration.rs) re-simulates.
     reg_sim, _ = run_sim(args.profile, dict(s.split("=", 1) for s in args.set), CORE, REGRESSION_QPS)
     reg = errors(measured, reg_sim, CORE)
     ra, rt = same_winner(measured, reg_sim)
@@ -283,7 +283,7 @@ Emulated: the engine model of `ppd-emulator` in virtual time (`ppd-core::sim`), 
 
 Produced by:
 
-    cargo build --release -p ppd-emulator --bin ppd-sim-grid
+    cargo build --release -p ppd-model --bin ppd-sim-grid
     python3 bench/calibrate/fit.py report --out bench/results/emulator-fidelity.md --json bench/results/emulator-fidelity.json
 
 (whole grid simulated in {wall:.1f} s on this 2-core machine for this report).

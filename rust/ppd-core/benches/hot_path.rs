@@ -1,7 +1,7 @@
 //! Criterion benches of the per-request core work: decide, and session lookup + update.
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use ppd_core::grid::{paper_workloads, PAPER_QPS};
+use ppd_core::catalog::{paper_workloads, PAPER_QPS};
 use ppd_core::identity::{conversation_id, features};
 use ppd_core::request::parse_request;
 use ppd_core::session::{NodeId, SessionConfig, SessionTable};

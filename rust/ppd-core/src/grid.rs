@@ -11,37 +11,6 @@ pub struct WorkloadType {
     pub n_out: u32,
 }
 
-/// The paper's context bins: small ≤ 512 < large ≤ 4096 < huge.
-pub const PAPER_CONTEXT_BINS: [u32; 2] = [512, 4096];
-pub const PAPER_CONTEXT_NAMES: [&str; 3] = ["small", "large", "huge"];
-/// The paper's QPS levels (Section 4.2).
-pub const PAPER_QPS: [f64; 10] = [0.5, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 16.0, 20.0];
-
-/// The paper's nine Turn-2 workload types (Section 4.2) as (name, n_in, n_out).
-pub const PAPER_WORKLOADS: [(&str, u32, u32); 9] = [
-    ("tiny", 16, 32),
-    ("short_gen", 32, 256),
-    ("long_gen", 32, 512),
-    ("very_long_gen", 64, 1024),
-    ("small_bal", 64, 64),
-    ("mid_bal", 128, 128),
-    ("mid_paste", 256, 64),
-    ("big_paste", 512, 64),
-    ("huge_paste", 1024, 32),
-];
-
-/// [`PAPER_WORKLOADS`] as table axis entries.
-pub fn paper_workloads() -> Vec<WorkloadType> {
-    PAPER_WORKLOADS
-        .into_iter()
-        .map(|(name, n_in, n_out)| WorkloadType {
-            name: name.to_owned(),
-            n_in,
-            n_out,
-        })
-        .collect()
-}
-
 /// Weight of one workload step in [`Grid::distance`], per unit of log2 distance.
 pub const WORKLOAD_DISTANCE_WEIGHT: f64 = 0.5;
 
@@ -203,6 +172,7 @@ impl Grid {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::catalog::{paper_workloads, PAPER_CONTEXT_BINS, PAPER_CONTEXT_NAMES, PAPER_QPS};
     use proptest::prelude::*;
 
     fn paper() -> Grid {

@@ -2,12 +2,12 @@
 
 use md5::{Digest, Md5};
 
+use crate::error::Error;
 use crate::request::{ContentText, PromptText, RequestView};
 use crate::session::Session;
 use crate::tokens::{
     TokenCounter, GENERATION_PROMPT_TOKENS, MESSAGE_OVERHEAD_TOKENS, PROMPT_PREFIX_TOKENS,
 };
-use crate::Error;
 
 /// Bytes of a plain `/v1/completions` prompt that identify its conversation when
 /// no id is given: the first paragraph (up to a blank line), at most this long.

@@ -1,36 +1,30 @@
-//! ppd-core: the pure logic of ppd-router — no I/O, no clock, no async.
+//! ppd-core: the routing logic of ppd-router — no sockets, no clock, no async.
 //!
 //! Data flows down once: [`request`] parses what routing needs, [`identity`]
-//! names the conversation and derives its features, [`engine`] applies a
-//! [`policy`] to the [`table`] on the [`grid`], and [`session`] remembers the
-//! outcome for the next turn.
+//! names the conversation and derives its features, [`decision`] applies a
+//! [`policy`] to the [`table`] on the [`grid`] and answers a [`route`], and
+//! [`session`] remembers the outcome for the next turn. [`layout`],
+//! [`catalog`] and [`builtin`] own the shared vocabulary: node roles and
+//! deployments, the paper's experiment grid, the shipped tables.
 
-pub mod emu;
-pub mod engine;
+pub mod builtin;
+pub mod catalog;
+pub mod decision;
+pub mod error;
 pub mod grid;
 pub mod identity;
+pub mod layout;
 pub mod policy;
 pub mod qps;
 pub mod request;
+pub mod route;
 pub mod session;
-pub mod sim;
 pub mod table;
 pub mod tokens;
 
-pub use engine::{DecisionEngine, DecisionInput, Path, Reason, Route, Scored, Weights};
+pub use decision::DecisionEngine;
+pub use error::Error;
+pub use layout::Role;
 pub use policy::PolicyKind;
+pub use route::{DecisionInput, Path, Reason, Route, Scored, Weights};
 pub use table::{Table, TableError};
-
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error("bad request: {0}")]
-    BadRequest(String),
-    #[error("{0}")]
-    Table(#[from] TableError),
-    #[error("invalid configuration: {0}")]
-    Config(String),
-    #[error("invalid input: {0}")]
-    InvalidInput(String),
-    #[error("tokenizer: {0}")]
-    Tokenizer(String),
-}

@@ -15,9 +15,9 @@ pub struct QpsEstimator {
 
 impl QpsEstimator {
     /// `window_ms` split into `buckets` (default use: 10 s in 100 buckets).
-    pub fn new(window_ms: u64, buckets: usize) -> Result<Self, crate::Error> {
+    pub fn new(window_ms: u64, buckets: usize) -> Result<Self, crate::error::Error> {
         if window_ms == 0 || buckets == 0 || window_ms < buckets as u64 {
-            return Err(crate::Error::Config(format!(
+            return Err(crate::error::Error::Config(format!(
                 "QPS window {window_ms} ms must be positive and at least one ms per bucket ({buckets} buckets)"
             )));
         }

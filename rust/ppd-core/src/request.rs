@@ -4,7 +4,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use std::borrow::Cow;
 
-use crate::Error;
+use crate::error::Error;
 
 /// A `/v1/chat/completions` or `/v1/completions` body, as far as routing needs it.
 /// Message contents stay raw JSON until counted, so unread fields cost nothing.

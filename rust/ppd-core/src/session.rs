@@ -6,6 +6,7 @@
 
 use lru::LruCache;
 use parking_lot::Mutex;
+use serde::Serialize;
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
@@ -76,6 +77,52 @@ impl Session {
     }
 }
 
+/// A finished turn, as the end-of-turn bookkeeping reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TurnRecord {
+    pub turn: u32,
+    /// The P that prefilled it, when it took the pd path.
+    pub p: Option<NodeId>,
+    /// The node that decoded it and now holds its KV.
+    pub d: NodeId,
+    /// `(prompt_tokens, completion_tokens)` as upstream reported them.
+    pub usage: Option<(u32, u32)>,
+}
+
+/// The one JSON shape of a session, for the admin API and the Python API.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SessionView<'a> {
+    pub id: &'a str,
+    pub turns: u32,
+    /// The P and D by name (the router's node URLs).
+    pub p: Option<String>,
+    pub d: Option<String>,
+    pub context_tokens: Option<u32>,
+    pub mean_output_tokens: Option<u32>,
+    pub created_ms: u64,
+    pub last_access_ms: u64,
+}
+
+impl Session {
+    /// Its JSON view, naming nodes with `name`.
+    pub fn view<'a>(
+        &self,
+        id: &'a str,
+        name: impl Fn(NodeId) -> Option<String>,
+    ) -> SessionView<'a> {
+        SessionView {
+            id,
+            turns: self.turns,
+            p: self.p.and_then(&name),
+            d: self.d.and_then(&name),
+            context_tokens: self.context_tokens(),
+            mean_output_tokens: self.mean_output_tokens(),
+            created_ms: self.created_ms,
+            last_access_ms: self.last_access_ms,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 pub struct SessionConfig {
     /// Idle time after which a session is forgotten (paper B.3: 60 minutes).
@@ -131,14 +178,16 @@ pub struct SessionTable {
 }
 
 impl SessionTable {
-    pub fn new(config: SessionConfig) -> Result<Self, crate::Error> {
+    pub fn new(config: SessionConfig) -> Result<Self, crate::error::Error> {
         if config.capacity == 0 {
-            return Err(crate::Error::Config(
+            return Err(crate::error::Error::Config(
                 "session capacity must be at least 1".into(),
             ));
         }
         if config.ttl_ms == 0 {
-            return Err(crate::Error::Config("session TTL must be positive".into()));
+            return Err(crate::error::Error::Config(
+                "session TTL must be positive".into(),
+            ));
         }
         let n = config
             .shards
@@ -223,6 +272,30 @@ impl SessionTable {
         f(s);
         s.last_access_ms = s.last_access_ms.max(now_ms);
         *s
+    }
+
+    /// Records a finished turn: the turn count, which P and D served it, and
+    /// its usage. Returns the session as updated and the D it had before (a
+    /// change of D moves the conversation's KV to another node).
+    pub fn record_turn(
+        &self,
+        id: &str,
+        now_ms: u64,
+        rec: &TurnRecord,
+    ) -> (Session, Option<NodeId>) {
+        let mut before = None;
+        let s = self.update(id, now_ms, |s| {
+            before = s.d;
+            s.turns = s.turns.max(rec.turn);
+            s.d = Some(rec.d);
+            if rec.p.is_some() {
+                s.p = rec.p;
+            }
+            if let Some((prompt, completion)) = rec.usage {
+                s.record_usage(prompt, completion, now_ms);
+            }
+        });
+        (s, before)
     }
 
     /// Makes room for one session: the LRU of the inserting shard, else of the
@@ -433,6 +506,72 @@ mod tests {
         assert_eq!(a.context_tokens(), None);
         assert_eq!(t.peek("b").unwrap().d, Some(node(2)));
         assert_eq!(t.stats().reassigned, 1);
+    }
+
+    #[test]
+    fn a_recorded_turn_keeps_the_last_p_and_reports_the_previous_d() {
+        let t = table(u64::MAX, 100, 4);
+        let first = TurnRecord {
+            turn: 1,
+            p: Some(node(7)),
+            d: node(1),
+            usage: Some((100, 20)),
+        };
+        let (s, before) = t.record_turn("c", 0, &first);
+        assert_eq!(before, None);
+        assert_eq!(
+            (s.turns, s.p, s.d, s.context_tokens()),
+            (1, Some(node(7)), Some(node(1)), Some(120))
+        );
+        // A local turn: no P, same D, no usage reported.
+        let local = TurnRecord {
+            turn: 2,
+            p: None,
+            d: node(1),
+            usage: None,
+        };
+        let (s, before) = t.record_turn("c", 5, &local);
+        assert_eq!(before, Some(node(1)));
+        assert_eq!(
+            (s.turns, s.p, s.context_tokens()),
+            (2, Some(node(7)), Some(120))
+        );
+        // A late answer of an older turn never lowers the count.
+        let (s, _) = t.record_turn(
+            "c",
+            6,
+            &TurnRecord {
+                turn: 1,
+                p: None,
+                d: node(2),
+                usage: Some((1, 1)),
+            },
+        );
+        assert_eq!(
+            (s.turns, s.d, s.mean_output_tokens()),
+            (2, Some(node(2)), Some(11))
+        );
+    }
+
+    #[test]
+    fn the_json_view_names_nodes_and_hides_unknown_context() {
+        let t = table(u64::MAX, 100, 4);
+        let (s, _) = t.record_turn(
+            "c",
+            3,
+            &TurnRecord {
+                turn: 1,
+                p: None,
+                d: node(1),
+                usage: None,
+            },
+        );
+        let v =
+            serde_json::to_value(s.view("c", |n| Some(format!("http://n{}", n.get())))).unwrap();
+        assert_eq!(v["id"], "c");
+        assert_eq!(v["d"], "http://n1");
+        assert!(v["p"].is_null() && v["context_tokens"].is_null());
+        assert_eq!(v["created_ms"], 3);
     }
 
     #[test]

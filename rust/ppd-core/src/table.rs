@@ -8,7 +8,8 @@ use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::fmt;
 
-use crate::grid::{Grid, GridPoint, WorkloadType, PAPER_CONTEXT_NAMES};
+use crate::catalog::PAPER_CONTEXT_NAMES;
+use crate::grid::{Grid, GridPoint, WorkloadType};
 
 pub const SCHEMA: &str = "ppd-table/1";
 /// n_out assumed when neither the request nor the session says (B.1 features).
@@ -407,7 +408,7 @@ fn validate_axes(axes: &Axes, name: &str) -> Result<Grid, TableError> {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::grid::{paper_workloads, PAPER_CONTEXT_BINS, PAPER_QPS};
+    use crate::catalog::{paper_workloads, PAPER_CONTEXT_BINS, PAPER_QPS};
     use proptest::prelude::*;
 
     pub fn m(ttft: f64, tpot: f64) -> Measurement {

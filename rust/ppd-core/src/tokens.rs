@@ -98,9 +98,9 @@ pub struct HfTokenizer {
 
 #[cfg(feature = "hf-tokenizer")]
 impl HfTokenizer {
-    pub fn from_file(path: &str) -> Result<Self, crate::Error> {
+    pub fn from_file(path: &str) -> Result<Self, crate::error::Error> {
         let inner = tokenizers::Tokenizer::from_file(path)
-            .map_err(|e| crate::Error::Tokenizer(format!("{path}: {e}")))?;
+            .map_err(|e| crate::error::Error::Tokenizer(format!("{path}: {e}")))?;
         Ok(Self { inner })
     }
 }

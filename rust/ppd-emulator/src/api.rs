@@ -15,10 +15,10 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use ppd_core::emu::engine::mix64;
-use ppd_core::emu::text::{render_chat, render_prompt, Generator};
-use ppd_core::emu::{Content, Finish, Kind, Profile, Submit, Usage};
 use ppd_core::request::{parse_request, ContentText, PromptText};
+use ppd_model::engine::mix64;
+use ppd_model::text::{render_chat, render_prompt, Generator};
+use ppd_model::{Content, Finish, Kind, Profile, Submit, Usage};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, Notify};
 

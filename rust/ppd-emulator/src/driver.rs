@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ahash::AHashMap;
-use ppd_core::emu::engine::Hold;
-use ppd_core::emu::{Engine, Event, Finish, Profile, Snapshot, Submit, SubmitError, Usage};
+use ppd_model::engine::Hold;
+use ppd_model::{Engine, Event, Finish, Profile, Snapshot, Submit, SubmitError, Usage};
 use tokio::sync::{mpsc, oneshot};
 
 /// What a request's handler receives.

@@ -1,55 +1,20 @@
 //! ppd-emulator: vLLM-compatible P, D (pD) and R nodes for machines without GPUs.
 //!
-//! Each node runs ppd-core's engine model ([`ppd_core::emu`]) against the wall
+//! Each node runs the engine model of [`ppd_model`] against the wall
 //! clock and serves vLLM's OpenAI API, `/metrics`, and the NIXL
 //! `kv_transfer_params` exchange. Nodes can run one per process
 //! ([`run_blocking`]) or many in one process ([`start_cluster`]).
 
 mod api;
 mod driver;
-mod layout;
 mod metrics;
-mod profile;
 
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-pub use layout::{node_role, parse_layout, LayoutRole};
-pub use ppd_core::emu::Profile;
-pub use profile::{load_profile, DEFAULT_PROFILE, DEFAULT_PROFILE_NAME, NIXL_PROFILE_NAME};
-
-/// What a node does with the KV connector. Every role also serves plain
-/// requests locally with its prefix cache (a D that does is a "pD").
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Role {
-    /// Prefill node: `do_remote_decode` requests prefill here and leave KV to be pulled.
-    P,
-    /// Decode node: `do_remote_prefill` requests pull KV from a P, then decode.
-    D,
-    /// Replica: prefill and decode on one engine.
-    R,
-}
-
-impl Role {
-    pub fn parse(s: &str) -> Result<Role, Error> {
-        match s.trim() {
-            "P" | "p" | "prefill" => Ok(Role::P),
-            "D" | "d" | "pD" | "pd" | "decode" => Ok(Role::D),
-            "R" | "r" | "replica" => Ok(Role::R),
-            other => Err(Error::Config(format!(
-                "unknown role {other:?}; expected P, D, pD or R"
-            ))),
-        }
-    }
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::P => "P",
-            Role::D => "D",
-            Role::R => "R",
-        }
-    }
-}
+pub use ppd_core::layout::{parse_layout, Role};
+pub use ppd_model::{load_profile, Profile};
 
 /// Fault injection for tests; also settable at run time by `POST /admin/faults`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -111,7 +76,7 @@ impl NodeConfig {
             role,
             host: "127.0.0.1".into(),
             port: 0,
-            profile: profile::default_profile(),
+            profile: ppd_model::builtin::default_profile(),
             kv_link_gbps: None,
             max_num_seqs: None,
             max_num_batched_tokens: None,
@@ -139,15 +104,20 @@ impl NodeConfig {
         if let Some(n) = self.kv_blocks {
             p.kv_blocks = n;
         }
-        p.validate().map_err(|e| match e {
-            ppd_core::Error::Config(m) => Error::Config(m),
-            other => Error::Config(other.to_string()),
-        })?;
+        p.validate().map_err(model_error)?;
         self.faults.validate()?;
         if self.served_model_name.trim().is_empty() {
             return Err(Error::Config("served model name must not be empty".into()));
         }
         Ok(p)
+    }
+}
+
+/// The model's configuration errors, in the emulator's words.
+pub fn model_error(e: ppd_core::Error) -> Error {
+    match e {
+        ppd_core::Error::Config(m) => Error::Config(m),
+        other => Error::Config(other.to_string()),
     }
 }
 
@@ -187,9 +157,12 @@ pub async fn serve(
     result
 }
 
-/// Binds `cfg.host:cfg.port`, serves on a runtime of its own, and returns on
-/// SIGINT/SIGTERM (Ok), on a crash fault, or on an error.
-pub fn run_blocking(cfg: NodeConfig) -> Result<(), Error> {
+/// Binds `cfg.host:cfg.port`, serves on a runtime of its own, and returns when
+/// `shutdown` resolves (Ok), on a crash fault, or on an error.
+pub fn run_blocking(
+    cfg: NodeConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), Error> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -199,36 +172,14 @@ pub fn run_blocking(cfg: NodeConfig) -> Result<(), Error> {
         let listener = tokio::net::TcpListener::bind(&addr)
             .await
             .map_err(|e| Error::Config(format!("cannot bind {addr}: {e}")))?;
-        serve(cfg, listener, shutdown_signal()).await
+        serve(cfg, listener, shutdown).await
     })
-}
-
-/// Resolves on SIGINT or SIGTERM.
-pub async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {},
-        _ = term => {},
-    }
 }
 
 /// A node of a running cluster.
 #[derive(Debug, Clone)]
 pub struct NodeInfo {
-    pub role: LayoutRole,
+    pub role: Role,
     pub addr: SocketAddr,
     /// `http://127.0.0.1:PORT`
     pub url: String,
@@ -257,7 +208,7 @@ impl Cluster {
 /// Starts one node per role on free 127.0.0.1 ports, on the current tokio
 /// runtime. `base` gives everything but role and port; node `i` gets seed
 /// `base.seed + i`.
-pub async fn start_cluster(roles: &[LayoutRole], base: &NodeConfig) -> Result<Cluster, Error> {
+pub async fn start_cluster(roles: &[Role], base: &NodeConfig) -> Result<Cluster, Error> {
     base.effective_profile()?;
     let (stop, rx) = tokio::sync::watch::channel(false);
     let mut nodes = Vec::with_capacity(roles.len());
@@ -266,7 +217,7 @@ pub async fn start_cluster(roles: &[LayoutRole], base: &NodeConfig) -> Result<Cl
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let mut cfg = base.clone();
-        cfg.role = node_role(role);
+        cfg.role = role;
         cfg.port = addr.port();
         cfg.seed = base.seed.wrapping_add(i as u64);
         cfg.engine_id = Some(format!("emu-{}{}-{}", role.as_str(), i, addr.port()));
@@ -296,7 +247,7 @@ pub struct ClusterThread {
 }
 
 impl ClusterThread {
-    pub fn start(roles: &[LayoutRole], base: &NodeConfig) -> Result<ClusterThread, Error> {
+    pub fn start(roles: &[Role], base: &NodeConfig) -> Result<ClusterThread, Error> {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()

@@ -2,7 +2,7 @@
 
 use std::fmt::Write;
 
-use ppd_core::emu::Snapshot;
+use ppd_model::Snapshot;
 
 use crate::driver::Lag;
 

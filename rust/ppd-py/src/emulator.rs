@@ -3,36 +3,19 @@
 //! Every entry point releases the GIL while Rust runs, and no panic crosses
 //! into Python: errors become `ValueError`/`RuntimeError` with the reason.
 
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use std::sync::Mutex;
 
-use ppd_core::sim::{self, SimConfig};
+use ppd_core::builtin::{load_table, nearest_for};
+use ppd_core::catalog;
+use ppd_core::layout::parse_layout;
 use ppd_emulator::{ClusterThread, Faults, NodeConfig, Role};
+use ppd_model::sim::{self, SimConfig};
 
-const BUILTIN_TABLES: [(&str, u32, u32, &str); 3] = [
-    (
-        "h100-1P3pD",
-        1,
-        3,
-        include_str!("../../../tables/h100-llama3.1-8b-1P3pD.json"),
-    ),
-    (
-        "h100-2P2pD",
-        2,
-        2,
-        include_str!("../../../tables/h100-llama3.1-8b-2P2pD.json"),
-    ),
-    (
-        "h100-3P1pD",
-        3,
-        1,
-        include_str!("../../../tables/h100-llama3.1-8b-3P1pD.json"),
-    ),
-];
+use crate::errors;
 
 fn cfg_err(e: impl std::fmt::Display) -> PyErr {
-    PyValueError::new_err(e.to_string())
+    errors::config(e.to_string())
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -55,7 +38,7 @@ fn node_config(
     cfg.host = host.to_owned();
     cfg.port = port;
     if let Some(p) = profile {
-        cfg.profile = ppd_emulator::load_profile(p).map_err(cfg_err)?;
+        cfg.profile = ppd_model::load_profile(p).map_err(cfg_err)?;
     }
     cfg.kv_link_gbps = kv_link_gbps;
     cfg.max_num_seqs = max_num_seqs;
@@ -112,8 +95,8 @@ fn run_emulator(
         fault_error_rate,
         fault_hang,
     )?;
-    py.detach(|| ppd_emulator::run_blocking(cfg))
-        .map_err(|e| PyRuntimeError::new_err(e.to_string()))
+    py.detach(|| ppd_emulator::run_blocking(cfg, ppd_server::shutdown_signal()))
+        .map_err(errors::run)
 }
 
 /// Emulator nodes running in this process on free 127.0.0.1 ports.
@@ -134,7 +117,7 @@ impl EmulatedCluster {
         let c = self
             .inner
             .lock()
-            .map_err(|_| PyRuntimeError::new_err("cluster lock poisoned"))?
+            .map_err(|_| errors::run("cluster lock poisoned"))?
             .take();
         if let Some(c) = c {
             py.detach(|| c.shutdown());
@@ -175,7 +158,7 @@ fn start_emulated_cluster(
     seed: u64,
     served_model_name: Option<&str>,
 ) -> PyResult<EmulatedCluster> {
-    let roles = ppd_emulator::parse_layout(layout).map_err(cfg_err)?;
+    let roles = parse_layout(layout).map_err(errors::from_core)?;
     let base = node_config(
         "R",
         "127.0.0.1",
@@ -193,7 +176,7 @@ fn start_emulated_cluster(
     )?;
     let c = py
         .detach(|| ClusterThread::start(&roles, &base))
-        .map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+        .map_err(errors::run)?;
     Ok(EmulatedCluster {
         urls: c.urls(),
         roles: c.nodes.iter().map(|n| n.role.as_str().to_owned()).collect(),
@@ -201,45 +184,18 @@ fn start_emulated_cluster(
     })
 }
 
-/// The roles of a layout, e.g. `parse_layout("1P_1D_2pD") == ["P", "D", "pD", "pD"]`.
-#[pyfunction]
-fn parse_layout(layout: &str) -> PyResult<Vec<String>> {
-    Ok(ppd_emulator::parse_layout(layout)
-        .map_err(cfg_err)?
-        .into_iter()
-        .map(|r| r.as_str().to_owned())
-        .collect())
-}
-
 /// A profile (built-in name or TOML path) as JSON.
 #[pyfunction]
 fn load_profile(name_or_path: &str) -> PyResult<String> {
-    let p = ppd_emulator::load_profile(name_or_path).map_err(cfg_err)?;
+    let p = ppd_model::load_profile(name_or_path).map_err(cfg_err)?;
     serde_json::to_string(&p).map_err(cfg_err)
-}
-
-/// The built-in table whose P:D ratio is nearest the deployment's.
-fn default_table(deployment: &str) -> PyResult<(&'static str, ppd_core::Table)> {
-    let roles = sim::parse_layout(deployment).map_err(cfg_err)?;
-    let p = roles.iter().filter(|r| **r == sim::LayoutRole::P).count() as f64;
-    let d = roles.iter().filter(|r| r.is_decode()).count() as f64;
-    let ratio = if d == 0.0 { f64::INFINITY } else { p / d };
-    let (name, _, _, text) = BUILTIN_TABLES
-        .iter()
-        .min_by(|a, b| {
-            let da = (a.1 as f64 / a.2 as f64 - ratio).abs();
-            let db = (b.1 as f64 / b.2 as f64 - ratio).abs();
-            da.total_cmp(&db)
-        })
-        .ok_or_else(|| PyRuntimeError::new_err("no built-in table"))?;
-    let t = ppd_core::Table::from_json(text, &format!("builtin:{name}")).map_err(cfg_err)?;
-    Ok((name, t))
 }
 
 /// Runs one simulated point. `config_json` holds SimConfig's fields (deployment,
 /// policy, workload, qps, duration_s, seed, timeout_s, turns, w_ttft, w_tpot, and
 /// optionally conversations: per-turn [n_in, n_out] lists that replace the named workload);
-/// `table` is a path or `builtin:h100-2P2pD` (default for `ppd`: nearest P:D ratio).
+/// `table` is a path or `builtin:h100-2P2pD` (default for `ppd`: the shipped table
+/// nearest the deployment, [`nearest_for`]).
 /// Returns the result as JSON (with `table` naming the table used, if any).
 #[pyfunction]
 #[pyo3(signature = (config_json, profile = None, table = None))]
@@ -251,42 +207,26 @@ fn simulate(
 ) -> PyResult<String> {
     let cfg: SimConfig =
         serde_json::from_str(config_json).map_err(|e| cfg_err(format!("simulate config: {e}")))?;
-    let prof = ppd_emulator::load_profile(profile.unwrap_or("default")).map_err(cfg_err)?;
+    let prof = ppd_model::load_profile(profile.unwrap_or("default")).map_err(cfg_err)?;
     let wants_table = cfg.policy.trim() == "ppd";
-    let (table_name, table) = match table {
-        Some(spec) => {
-            if let Some(name) = spec.strip_prefix("builtin:") {
-                let (_, _, _, text) =
-                    BUILTIN_TABLES.iter().find(|t| t.0 == name).ok_or_else(|| {
-                        cfg_err(format!(
-                            "no builtin table {name:?} (have h100-1P3pD, h100-2P2pD, h100-3P1pD)"
-                        ))
-                    })?;
-                (
-                    spec.to_owned(),
-                    Some(ppd_core::Table::from_json(text, spec).map_err(cfg_err)?),
-                )
-            } else {
-                let text = std::fs::read_to_string(spec)
-                    .map_err(|e| cfg_err(format!("table {spec}: {e}")))?;
-                (
-                    spec.to_owned(),
-                    Some(ppd_core::Table::from_json(&text, spec).map_err(cfg_err)?),
-                )
-            }
-        }
+    let spec = match table {
+        Some(spec) => Some(spec.to_owned()),
         None if wants_table => {
-            let (n, t) = default_table(&cfg.deployment)?;
-            (format!("builtin:{n}"), Some(t))
+            let roles = parse_layout(&cfg.deployment).map_err(errors::from_core)?;
+            Some(nearest_for(&roles).spec())
         }
-        None => (String::new(), None),
+        None => None,
     };
+    let table = spec
+        .as_deref()
+        .map(|s| load_table(s).map_err(|e| cfg_err(format!("table {s}: {e}"))))
+        .transpose()?;
     let r = py
         .detach(|| sim::simulate(&cfg, &prof, table.as_ref()))
         .map_err(cfg_err)?;
     let mut v = serde_json::to_value(r).map_err(cfg_err)?;
-    if !table_name.is_empty() {
-        v["table"] = serde_json::Value::String(table_name);
+    if let Some(spec) = spec {
+        v["table"] = serde_json::Value::String(spec);
     }
     Ok(v.to_string())
 }
@@ -295,19 +235,18 @@ fn simulate(
 #[pyfunction]
 fn simulator_catalog() -> (Vec<String>, Vec<String>, Vec<f64>) {
     (
-        sim::paper_workload_names(),
-        sim::paper_configs()
+        catalog::paper_workload_names(),
+        catalog::paper_configs()
             .iter()
             .map(|c| c.0.to_owned())
             .collect(),
-        sim::PAPER_QPS.to_vec(),
+        catalog::PAPER_QPS.to_vec(),
     )
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(run_emulator, m)?)?;
     m.add_function(wrap_pyfunction!(start_emulated_cluster, m)?)?;
-    m.add_function(wrap_pyfunction!(parse_layout, m)?)?;
     m.add_function(wrap_pyfunction!(load_profile, m)?)?;
     m.add_function(wrap_pyfunction!(simulate, m)?)?;
     m.add_function(wrap_pyfunction!(simulator_catalog, m)?)?;

@@ -1,10 +1,10 @@
 //! `ppd_router._core`: thin pyo3 wrappers over ppd-core; every core error becomes a Python exception.
 
+mod catalog;
 mod emulator;
+mod errors;
 mod router;
 
-use pyo3::create_exception;
-use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 use std::collections::HashMap;
@@ -12,44 +12,20 @@ use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use ppd_core::identity::{self, CtxSource, OutSource};
-use ppd_core::session::{NodeId, Session, SessionConfig};
+use ppd_core::session::{NodeId, Session, SessionConfig, TurnRecord};
 use ppd_core::tokens::{TokenCounter as CoreCounter, WordRule};
-use ppd_core::{DecisionInput, Error as CoreError, Path, PolicyKind, Weights};
+use ppd_core::{DecisionInput, Path, PolicyKind, Weights};
 
-create_exception!(
-    _core,
-    PpdError,
-    pyo3::exceptions::PyException,
-    "Base class of ppd_router errors."
-);
-create_exception!(
-    _core,
-    TableError,
-    PyValueError,
-    "A lookup table failed to load or validate."
-);
-create_exception!(
-    _core,
-    BadRequest,
-    PyValueError,
-    "A request body cannot be routed."
-);
-create_exception!(_core, ConfigError, PyValueError, "An invalid setting.");
+use errors::{err, invalid, Kind};
 
-fn to_py(e: CoreError) -> PyErr {
-    match e {
-        CoreError::Table(t) => TableError::new_err(t.to_string()),
-        CoreError::BadRequest(m) => BadRequest::new_err(m),
-        CoreError::Config(m) => ConfigError::new_err(m),
-        CoreError::InvalidInput(m) => PyValueError::new_err(m),
-        CoreError::Tokenizer(m) => PyOSError::new_err(m),
-    }
+fn to_py(e: ppd_core::Error) -> PyErr {
+    errors::from_core(e)
 }
 
 fn now_ms(now: Option<f64>) -> PyResult<u64> {
     match now {
         Some(t) if t.is_finite() && t >= 0.0 => Ok((t * 1000.0) as u64),
-        Some(t) => Err(PyValueError::new_err(format!(
+        Some(t) => Err(invalid(format!(
             "now must be a finite time ≥ 0 in seconds, got {t}"
         ))),
         None => Ok(SystemTime::now()
@@ -61,7 +37,7 @@ fn now_ms(now: Option<f64>) -> PyResult<u64> {
 
 fn count_arg(name: &str, v: i64) -> PyResult<u32> {
     u32::try_from(v).map_err(|_| {
-        PyValueError::new_err(format!(
+        invalid(format!(
             "{name} must be an integer in [0, 4294967295], got {v}"
         ))
     })
@@ -74,11 +50,9 @@ fn body_text(body: &Bound<'_, PyAny>) -> PyResult<String> {
     }
     if let Ok(b) = body.cast::<PyBytes>() {
         return String::from_utf8(b.as_bytes().to_vec())
-            .map_err(|e| BadRequest::new_err(format!("body is not UTF-8: {e}")));
+            .map_err(|e| err(Kind::BadRequest, format!("body is not UTF-8: {e}")));
     }
-    Err(pyo3::exceptions::PyTypeError::new_err(
-        "body must be str or bytes (a JSON document)",
-    ))
+    Err(invalid("body must be str or bytes (a JSON document)"))
 }
 
 /// Counts tokens: the emulator's word rule (default) or a real tokenizer.json.
@@ -168,10 +142,18 @@ impl Table {
     fn load(py: Python<'_>, path: std::path::PathBuf) -> PyResult<Self> {
         let name = path.display().to_string();
         let text = std::fs::read_to_string(&path)
-            .map_err(|e| TableError::new_err(format!("table {name}: cannot read: {e}")))?;
+            .map_err(|e| err(Kind::Table, format!("table {name}: cannot read: {e}")))?;
         py.detach(|| ppd_core::Table::from_json(&text, &name))
             .map(|t| Table { inner: Arc::new(t) })
-            .map_err(|e| TableError::new_err(e.to_string()))
+            .map_err(|e| err(Kind::Table, e.to_string()))
+    }
+
+    /// Loads `builtin:NAME` (a shipped table) or a file path.
+    #[staticmethod]
+    fn from_spec(py: Python<'_>, spec: &str) -> PyResult<Self> {
+        py.detach(|| ppd_core::builtin::load_table(spec))
+            .map(|t| Table { inner: Arc::new(t) })
+            .map_err(|e| err(Kind::Table, e.to_string()))
     }
 
     #[staticmethod]
@@ -179,7 +161,7 @@ impl Table {
     fn from_json(text: &str, name: &str) -> PyResult<Self> {
         ppd_core::Table::from_json(text, name)
             .map(|t| Table { inner: Arc::new(t) })
-            .map_err(|e| TableError::new_err(e.to_string()))
+            .map_err(|e| err(Kind::Table, e.to_string()))
     }
 
     fn to_json(&self) -> String {
@@ -188,7 +170,7 @@ impl Table {
 
     fn save(&self, path: std::path::PathBuf) -> PyResult<()> {
         std::fs::write(&path, self.inner.to_json_pretty() + "\n")
-            .map_err(|e| PyOSError::new_err(format!("{}: {e}", path.display())))
+            .map_err(|e| err(Kind::Io, format!("{}: {e}", path.display())))
     }
 
     #[getter]
@@ -240,17 +222,15 @@ impl Table {
     /// The cells as stored (list of dicts).
     #[getter]
     fn cells(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        let text = serde_json::to_string(&self.inner.doc().cells)
-            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let text =
+            serde_json::to_string(&self.inner.doc().cells).map_err(|e| invalid(e.to_string()))?;
         json_to_py(py, &text)
     }
 
     /// A context length typical of a class (for showing the grid).
     fn representative_context(&self, class_index: usize) -> PyResult<u32> {
         if class_index >= self.inner.grid().context_names().len() {
-            return Err(PyValueError::new_err(format!(
-                "no context class {class_index}"
-            )));
+            return Err(invalid(format!("no context class {class_index}")));
         }
         Ok(self.inner.grid().representative_context(class_index))
     }
@@ -266,7 +246,7 @@ impl Table {
         qps: f64,
     ) -> PyResult<Py<PyDict>> {
         if !qps.is_finite() || qps < 0.0 {
-            return Err(PyValueError::new_err(format!(
+            return Err(invalid(format!(
                 "qps must be a finite number ≥ 0, got {qps}"
             )));
         }
@@ -456,7 +436,7 @@ impl Names {
         let id = u32::try_from(self.names.len() + 1)
             .ok()
             .and_then(NodeId::new)
-            .ok_or_else(|| PyValueError::new_err("too many node names"))?;
+            .ok_or_else(|| invalid("too many node names"))?;
         self.names.push(name.to_owned());
         self.ids.insert(name.to_owned(), id);
         Ok(id)
@@ -474,20 +454,15 @@ struct SessionTable {
 }
 
 impl SessionTable {
-    fn session_dict(&self, py: Python<'_>, s: &Session) -> PyResult<Py<PyDict>> {
+    /// The session in the one JSON shape of ppd-core ([`Session::view`]), as a dict.
+    fn session_dict(&self, py: Python<'_>, id: &str, s: &Session) -> PyResult<Py<PyAny>> {
         let names = self
             .names
             .lock()
-            .map_err(|_| PyValueError::new_err("session names lock poisoned"))?;
-        let d = PyDict::new(py);
-        d.set_item("turns", s.turns)?;
-        d.set_item("p", names.name(s.p))?;
-        d.set_item("d", names.name(s.d))?;
-        d.set_item("context_tokens", s.context_tokens())?;
-        d.set_item("mean_output_tokens", s.mean_output_tokens())?;
-        d.set_item("created", s.created_ms as f64 / 1000.0)?;
-        d.set_item("last_access", s.last_access_ms as f64 / 1000.0)?;
-        Ok(d.unbind())
+            .map_err(|_| errors::run("session names lock poisoned"))?;
+        let text = serde_json::to_string(&s.view(id, |n| names.name(Some(n))))
+            .map_err(|e| errors::run(e.to_string()))?;
+        json_to_py(py, &text)
     }
 }
 
@@ -497,7 +472,7 @@ impl SessionTable {
     #[pyo3(signature = (ttl_s = 3600.0, capacity = 1_000_000, shards = 64))]
     fn new(ttl_s: f64, capacity: usize, shards: usize) -> PyResult<Self> {
         if !ttl_s.is_finite() || ttl_s <= 0.0 {
-            return Err(ConfigError::new_err(format!(
+            return Err(errors::config(format!(
                 "ttl_s must be a positive number of seconds, got {ttl_s}"
             )));
         }
@@ -520,11 +495,11 @@ impl SessionTable {
         py: Python<'_>,
         conversation_id: &str,
         now: Option<f64>,
-    ) -> PyResult<Option<Py<PyDict>>> {
+    ) -> PyResult<Option<Py<PyAny>>> {
         let t = now_ms(now)?;
         self.inner
             .get(conversation_id, t)
-            .map(|s| self.session_dict(py, &s))
+            .map(|s| self.session_dict(py, conversation_id, &s))
             .transpose()
     }
 
@@ -541,7 +516,7 @@ impl SessionTable {
         prompt_tokens: Option<i64>,
         completion_tokens: Option<i64>,
         now: Option<f64>,
-    ) -> PyResult<Py<PyDict>> {
+    ) -> PyResult<Py<PyAny>> {
         let t = now_ms(now)?;
         let turn = count_arg("turn", turn)?;
         let usage = match (prompt_tokens, completion_tokens) {
@@ -551,7 +526,7 @@ impl SessionTable {
             )),
             (None, None) => None,
             _ => {
-                return Err(PyValueError::new_err(
+                return Err(invalid(
                     "give both prompt_tokens and completion_tokens, or neither",
                 ))
             }
@@ -560,20 +535,17 @@ impl SessionTable {
             let mut names = self
                 .names
                 .lock()
-                .map_err(|_| PyValueError::new_err("session names lock poisoned"))?;
+                .map_err(|_| errors::run("session names lock poisoned"))?;
             (names.id(d)?, p.map(|p| names.id(p)).transpose()?)
         };
-        let s = self.inner.update(conversation_id, t, |s| {
-            s.turns = s.turns.max(turn);
-            s.d = Some(d_id);
-            if p_id.is_some() {
-                s.p = p_id;
-            }
-            if let Some((a, b)) = usage {
-                s.record_usage(a, b, t);
-            }
-        });
-        self.session_dict(py, &s)
+        let record = TurnRecord {
+            turn,
+            p: p_id,
+            d: d_id,
+            usage,
+        };
+        let (s, _) = self.inner.record_turn(conversation_id, t, &record);
+        self.session_dict(py, conversation_id, &s)
     }
 
     /// Moves sessions off a departed node; returns how many changed.
@@ -582,7 +554,7 @@ impl SessionTable {
         let mut names = self
             .names
             .lock()
-            .map_err(|_| PyValueError::new_err("session names lock poisoned"))?;
+            .map_err(|_| errors::run("session names lock poisoned"))?;
         let from = names.id(node)?;
         let to = to.map(|t| names.id(t)).transpose()?;
         drop(names);
@@ -604,7 +576,8 @@ impl SessionTable {
         let items = self.inner.page(offset, limit);
         let out = PyList::empty(py);
         for (k, s) in items {
-            out.append((k, self.session_dict(py, &s)?))?;
+            let d = self.session_dict(py, &k, &s)?;
+            out.append((k, d))?;
         }
         Ok(out.unbind())
     }
@@ -684,7 +657,7 @@ impl QpsEstimator {
     #[pyo3(signature = (window_s = 10.0, buckets = 100))]
     fn new(window_s: f64, buckets: usize) -> PyResult<Self> {
         if !window_s.is_finite() || window_s <= 0.0 {
-            return Err(ConfigError::new_err(format!(
+            return Err(errors::config(format!(
                 "window_s must be positive, got {window_s}"
             )));
         }
@@ -699,7 +672,7 @@ impl QpsEstimator {
         let t = now_ms(now)?;
         self.inner
             .lock()
-            .map_err(|_| PyValueError::new_err("lock poisoned"))?
+            .map_err(|_| errors::run("lock poisoned"))?
             .record(t);
         Ok(())
     }
@@ -709,19 +682,15 @@ impl QpsEstimator {
         Ok(self
             .inner
             .lock()
-            .map_err(|_| PyValueError::new_err("lock poisoned"))?
+            .map_err(|_| errors::run("lock poisoned"))?
             .rate(t))
     }
 }
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    let py = m.py();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    m.add("PpdError", py.get_type::<PpdError>())?;
-    m.add("TableError", py.get_type::<TableError>())?;
-    m.add("BadRequest", py.get_type::<BadRequest>())?;
-    m.add("ConfigError", py.get_type::<ConfigError>())?;
+    errors::register(m)?;
     m.add(
         "PATHS",
         Path::ALL.iter().map(|p| p.as_str()).collect::<Vec<_>>(),
@@ -741,6 +710,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<QpsEstimator>()?;
     m.add_function(wrap_pyfunction!(count_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(identify, m)?)?;
+    catalog::register(m)?;
     router::register(m)?;
     emulator::register(m)?;
     Ok(())

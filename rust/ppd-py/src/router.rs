@@ -1,88 +1,141 @@
 //! `Router`: the Rust router server, embedded in a Python process (start/stop) or run in the foreground (serve).
+//!
+//! This is where the router meets emulated nodes: `emulated = "2P2pD"` starts
+//! an emulated cluster first and hands its URLs to the router as static nodes,
+//! so the router crate itself never links the emulator.
 
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+use std::path::PathBuf;
 use std::sync::Mutex;
 
-use ppd_server::registry::{Role, Source};
-use ppd_server::{RouterConfig, RouterHandle};
+use ppd_core::Role;
+use ppd_emulator::{ClusterThread, NodeConfig};
+use ppd_server::registry::Source;
+use ppd_server::{RouterConfig, RouterHandle, Settings};
 
-use crate::ConfigError;
+use crate::errors;
 
-fn parse_config(config_json: &str) -> PyResult<RouterConfig> {
-    let cfg =
-        RouterConfig::from_json(config_json).map_err(|e| ConfigError::new_err(e.to_string()))?;
-    cfg.validate()
-        .map_err(|e| ConfigError::new_err(e.to_string()))?;
-    Ok(cfg)
+/// Settings from an optional TOML file, overridden by `settings_json` (the
+/// command line's flags, by TOML key), validated once.
+fn load_settings(settings_json: &str, config_path: Option<PathBuf>) -> PyResult<Settings> {
+    let base = match &config_path {
+        Some(path) => RouterConfig::from_toml_file(path),
+        None => Ok(RouterConfig::default()),
+    };
+    base.and_then(|c| c.with_overrides(settings_json))
+        .and_then(RouterConfig::validate)
+        .map_err(|e| errors::config(e.to_string()))
 }
 
-/// The router. `config_json` holds the settings of `ppd-router serve` (the TOML
-/// keys). `serve()` blocks until SIGINT/SIGTERM with the GIL released;
-/// `start()` runs it on a background thread until `stop()`.
+/// Starts the emulated cluster the settings ask for, if any, and turns it into static nodes.
+fn with_emulated_nodes(settings: Settings) -> PyResult<(Settings, Option<ClusterThread>)> {
+    let Some(roles) = settings.emulated().map(<[Role]>::to_vec) else {
+        return Ok((settings, None));
+    };
+    let mut base = NodeConfig::new(Role::D);
+    if let Some(p) = &settings.config().emulator_profile {
+        base.profile = ppd_model::load_profile(p)
+            .map_err(|e| errors::config(format!("invalid setting `emulator_profile`: {e}")))?;
+    }
+    let cluster = ClusterThread::start(&roles, &base)
+        .map_err(|e| errors::run(format!("emulated cluster: {e}")))?;
+    let settings = settings
+        .with_emulated_nodes(&cluster.urls())
+        .map_err(|e| errors::config(e.to_string()))?;
+    Ok((settings, Some(cluster)))
+}
+
+/// A started router and the emulated nodes started for it.
+struct Running {
+    router: RouterHandle,
+    cluster: Option<ClusterThread>,
+}
+
+impl Running {
+    fn stop(mut self) -> Result<(), ppd_server::ServerError> {
+        let stopped = self.router.stop();
+        if let Some(c) = self.cluster.take() {
+            c.shutdown();
+        }
+        stopped
+    }
+}
+
+/// The router. `settings_json` holds settings of `ppd-router serve` by TOML
+/// key, over the file at `config_path`. `serve()` blocks until SIGINT/SIGTERM
+/// with the GIL released; `start()` runs it on a background thread until `stop()`.
 #[pyclass(module = "ppd_router._core")]
 pub struct Router {
-    cfg: RouterConfig,
-    handle: Mutex<Option<RouterHandle>>,
+    settings: Settings,
+    running: Mutex<Option<Running>>,
 }
 
 impl Router {
     /// Runs `f` on the started router, or says it is not started.
     fn with_started<R>(&self, f: impl FnOnce(&RouterHandle) -> PyResult<R>) -> PyResult<R> {
         let h = self
-            .handle
+            .running
             .lock()
-            .map_err(|_| PyRuntimeError::new_err("router lock poisoned"))?;
-        f(h.as_ref()
-            .ok_or_else(|| PyRuntimeError::new_err("the router is not started"))?)
+            .map_err(|_| errors::run("router lock poisoned"))?;
+        f(&h.as_ref()
+            .ok_or_else(|| errors::run("the router is not started"))?
+            .router)
     }
 }
 
 #[pymethods]
 impl Router {
     #[new]
-    fn new(config_json: &str) -> PyResult<Self> {
+    #[pyo3(signature = (settings_json = "{}", *, config_path = None))]
+    fn new(settings_json: &str, config_path: Option<PathBuf>) -> PyResult<Self> {
         Ok(Router {
-            cfg: parse_config(config_json)?,
-            handle: Mutex::new(None),
+            settings: load_settings(settings_json, config_path)?,
+            running: Mutex::new(None),
         })
     }
 
     /// Runs in the foreground until SIGINT or SIGTERM.
     fn serve(&self, py: Python<'_>) -> PyResult<()> {
-        let cfg = self.cfg.clone();
-        py.detach(|| ppd_server::serve_blocking(cfg))
-            .map_err(|e| PyRuntimeError::new_err(e.to_string()))
+        let settings = self.settings.clone();
+        py.detach(|| {
+            let (settings, cluster) = with_emulated_nodes(settings)?;
+            let served = ppd_server::serve_blocking(settings).map_err(errors::run);
+            if let Some(c) = cluster {
+                c.shutdown();
+            }
+            served
+        })
     }
 
     /// Starts on a background thread; returns the URL once it accepts connections.
     fn start(&self, py: Python<'_>) -> PyResult<String> {
-        let mut h = self
-            .handle
+        let mut running = self
+            .running
             .lock()
-            .map_err(|_| PyRuntimeError::new_err("router lock poisoned"))?;
-        if let Some(h) = h.as_ref() {
-            return Ok(h.url());
+            .map_err(|_| errors::run("router lock poisoned"))?;
+        if let Some(r) = running.as_ref() {
+            return Ok(r.router.url());
         }
-        let cfg = self.cfg.clone();
-        let handle = py
-            .detach(|| RouterHandle::start(cfg))
-            .map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
-        let url = handle.url();
-        *h = Some(handle);
+        let settings = self.settings.clone();
+        let started = py.detach(|| {
+            let (settings, cluster) = with_emulated_nodes(settings)?;
+            let router = RouterHandle::start(settings).map_err(errors::run)?;
+            Ok::<_, PyErr>(Running { router, cluster })
+        })?;
+        let url = started.router.url();
+        *running = Some(started);
         Ok(url)
     }
 
-    /// Stops a started router (open streams finish first).
+    /// Stops a started router (open streams finish first) and its emulated nodes.
     fn stop(&self, py: Python<'_>) -> PyResult<()> {
         let taken = self
-            .handle
+            .running
             .lock()
-            .map_err(|_| PyRuntimeError::new_err("router lock poisoned"))?
+            .map_err(|_| errors::run("router lock poisoned"))?
             .take();
-        if let Some(mut h) = taken {
-            py.detach(|| h.stop())
-                .map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+        if let Some(r) = taken {
+            py.detach(|| r.stop()).map_err(errors::run)?;
         }
         Ok(())
     }
@@ -90,11 +143,11 @@ impl Router {
     #[getter]
     fn url(&self) -> PyResult<Option<String>> {
         Ok(self
-            .handle
+            .running
             .lock()
-            .map_err(|_| PyRuntimeError::new_err("router lock poisoned"))?
+            .map_err(|_| errors::run("router lock poisoned"))?
             .as_ref()
-            .map(RouterHandle::url))
+            .map(|r| r.router.url()))
     }
 
     /// Registers (or refreshes) a node of a started router; `source` is "zmq" or "admin".
@@ -106,20 +159,18 @@ impl Router {
         zmq_address: Option<String>,
         source: &str,
     ) -> PyResult<bool> {
-        let role = Role::parse(role).ok_or_else(|| {
-            PyValueError::new_err(format!("role {role:?}: expected P, D, pD or R"))
-        })?;
+        let role = Role::parse(role).map_err(errors::from_core)?;
         let source = match source {
             "zmq" => Source::Zmq,
             "admin" => Source::Admin,
             other => {
-                return Err(PyValueError::new_err(format!(
+                return Err(errors::invalid(format!(
                     "source {other:?}: expected zmq or admin"
                 )))
             }
         };
         let spec = ppd_server::config::parse_node("url", url)
-            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+            .map_err(|e| errors::invalid(e.to_string()))?;
         self.with_started(|h| {
             let now = h.state.now_ms();
             Ok(h.state
@@ -140,11 +191,13 @@ impl Router {
     }
 }
 
-/// The normalized configuration (defaults filled in) as JSON, or ConfigError naming the bad field.
+/// The settings (defaults filled in) as JSON, after the same reading and
+/// validation as `Router`, or ConfigError naming the bad field.
 #[pyfunction]
-fn validate_router_config(config_json: &str) -> PyResult<String> {
-    let cfg = parse_config(config_json)?;
-    serde_json::to_string(&cfg).map_err(|e| PyValueError::new_err(e.to_string()))
+#[pyo3(signature = (settings_json = "{}", *, config_path = None))]
+fn validate_router_config(settings_json: &str, config_path: Option<PathBuf>) -> PyResult<String> {
+    let settings = load_settings(settings_json, config_path)?;
+    serde_json::to_string(settings.config()).map_err(|e| errors::run(e.to_string()))
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

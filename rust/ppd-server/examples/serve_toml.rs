@@ -11,21 +11,16 @@ fn main() {
         eprintln!("usage: serve_toml CONFIG.toml");
         std::process::exit(2);
     };
-    let text = match std::fs::read_to_string(&path) {
-        Ok(t) => t,
+    let settings = match ppd_server::RouterConfig::from_toml_file(std::path::Path::new(&path))
+        .and_then(ppd_server::RouterConfig::validate)
+    {
+        Ok(s) => s,
         Err(e) => {
-            eprintln!("cannot read {path}: {e}");
+            eprintln!("{e}");
             std::process::exit(2);
         }
     };
-    let cfg = match ppd_server::RouterConfig::from_toml(&text) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("{path}: {e}");
-            std::process::exit(2);
-        }
-    };
-    if let Err(e) = ppd_server::serve_blocking(cfg) {
+    if let Err(e) = ppd_server::serve_blocking(settings) {
         eprintln!("ppd-router: {e}");
         std::process::exit(1);
     }

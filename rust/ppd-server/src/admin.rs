@@ -11,11 +11,12 @@ use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use ppd_core::{PolicyKind, Weights};
+use ppd_core::builtin::load_table;
+use ppd_core::{PolicyKind, Role, Weights};
 
-use crate::proxy::openai_error;
-use crate::registry::{Role, Source};
-use crate::state::{load_table, AppState};
+use crate::error::openai_error;
+use crate::registry::Source;
+use crate::state::AppState;
 
 pub fn routes() -> Router<Arc<AppState>> {
     Router::new()
@@ -117,7 +118,7 @@ async fn register(
             ))
         }
     };
-    let Some(role) = Role::parse(&b.role) else {
+    let Ok(role) = Role::parse(&b.role) else {
         return bad_request(format!("role {:?}: expected P, D, pD or R", b.role));
     };
     let spec = match crate::config::parse_node("url", &b.url) {
@@ -198,16 +199,10 @@ async fn sessions(
         .iter()
         .map(|n| (n.id.get(), n.url.clone()))
         .collect();
-    let name =
-        |id: Option<ppd_core::session::NodeId>| id.and_then(|i| names.get(&i.get()).cloned());
-    let items: Vec<_> = st
-        .sessions
-        .page(page.offset, limit)
-        .into_iter()
-        .map(|(id, s)| {
-            json!({"id": id, "turns": s.turns, "p": name(s.p), "d": name(s.d), "context_tokens": s.context_tokens(),
-                   "mean_output_tokens": s.mean_output_tokens(), "created_ms": s.created_ms, "last_access_ms": s.last_access_ms})
-        })
+    let page_items = st.sessions.page(page.offset, limit);
+    let items: Vec<_> = page_items
+        .iter()
+        .map(|(id, s)| s.view(id, |n| names.get(&n.get()).cloned()))
         .collect();
     Json(json!({"offset": page.offset, "limit": limit, "total": st.sessions.len(), "sessions": items, "stats": session_stats(&st)})).into_response()
 }

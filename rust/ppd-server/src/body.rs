@@ -36,6 +36,7 @@ impl<'de> serde::Deserialize<'de> for TopLevel<'de> {
 }
 
 /// One change to the top level: set a key to raw JSON, or remove it.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Edit<'a> {
     Set(&'a str, Cow<'a, str>),
     Remove(&'a str),

@@ -1,12 +1,14 @@
-//! The router's settings: one schema for the TOML file and the command line, validated before anything starts.
+//! The router's settings: one schema for the TOML file and the command line, read once in Rust and validated once into [`Settings`].
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
-use ppd_core::PolicyKind;
+use ppd_core::layout::{parse_layout, Role};
+use ppd_core::{PolicyKind, Weights};
 
 /// How the pd path moves KV from P to D.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum KvProtocol {
     /// Current vLLM NixlConnector: `kv_transfer_params` from P's answer go to D.
     Nixl,
@@ -16,15 +18,17 @@ pub enum KvProtocol {
     None,
 }
 
-impl KvProtocol {
-    pub fn parse(s: &str) -> Option<KvProtocol> {
-        match s {
-            "nixl" => Some(KvProtocol::Nixl),
-            "p2pnccl" => Some(KvProtocol::P2pNccl),
-            "none" => Some(KvProtocol::None),
-            _ => None,
-        }
-    }
+/// How the router's I/O threads serve connections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Runtime {
+    /// Each I/O thread runs its own single-threaded runtime, accepts its own
+    /// connections and keeps its own upstream connection pool, so a request
+    /// never changes thread (no cross-thread wake-ups on the hot path).
+    ThreadPerCore,
+    /// One tokio multi-thread runtime, which evens out uneven connections at
+    /// the price of handing requests between threads.
+    WorkStealing,
 }
 
 /// Every setting, with the defaults of the CLI. Field names are the TOML keys;
@@ -42,16 +46,17 @@ pub struct RouterConfig {
     pub pd_capable: Vec<String>,
     /// Replicas (R).
     pub replica: Vec<String>,
-    /// Start an emulated cluster of this layout in-process (e.g. `2P2pD`).
+    /// An emulated cluster of this layout (e.g. `2P2pD`), started by the
+    /// caller before the router (`ppd-router serve --emulated`).
     pub emulated: Option<String>,
     /// Emulator profile name or path, for `emulated`.
     pub emulator_profile: Option<String>,
-    pub policy: String,
+    pub policy: PolicyKind,
     /// Lookup table: a path, or `builtin:h100-1P3pD|h100-2P2pD|h100-3P1pD`.
     pub table: Option<String>,
     pub w_ttft: f64,
     pub w_tpot: f64,
-    pub kv_protocol: String,
+    pub kv_protocol: KvProtocol,
     /// Bearer token of the admin API; without it the admin API refuses every call.
     pub admin_token: Option<String>,
     /// Session idle TTL, seconds.
@@ -87,12 +92,7 @@ pub struct RouterConfig {
     pub log: String,
     /// Router I/O threads (0: one per core).
     pub worker_threads: usize,
-    /// `thread-per-core`: each I/O thread runs its own single-threaded runtime,
-    /// accepts its own connections and keeps its own upstream connection pool,
-    /// so a request never changes thread (no cross-thread wake-ups on the hot
-    /// path). `work-stealing`: one tokio multi-thread runtime, which evens out
-    /// uneven connections at the price of handing requests between threads.
-    pub runtime: String,
+    pub runtime: Runtime,
 }
 
 impl Default for RouterConfig {
@@ -106,11 +106,11 @@ impl Default for RouterConfig {
             replica: vec![],
             emulated: None,
             emulator_profile: None,
-            policy: "ppd".into(),
+            policy: PolicyKind::Ppd,
             table: None,
             w_ttft: 1.0,
             w_tpot: 1.0,
-            kv_protocol: "nixl".into(),
+            kv_protocol: KvProtocol::Nixl,
             admin_token: None,
             session_ttl: 3600.0,
             session_capacity: 1_000_000,
@@ -130,20 +130,25 @@ impl Default for RouterConfig {
             tokenizer: None,
             log: "warn".into(),
             worker_threads: 0,
-            runtime: "thread-per-core".into(),
+            runtime: Runtime::ThreadPerCore,
         }
     }
 }
 
-/// A rejected setting, by field name.
+/// A rejected setting, by field name, and where it came from when that is a file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConfigError {
     pub field: String,
     pub message: String,
+    /// `router.toml line 3`, for a value read from a file.
+    pub origin: Option<String>,
 }
 
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(o) = &self.origin {
+            write!(f, "{o}: ")?;
+        }
         write!(f, "invalid setting `{}`: {}", self.field, self.message)
     }
 }
@@ -154,7 +159,31 @@ fn bad(field: &str, message: impl Into<String>) -> ConfigError {
     ConfigError {
         field: field.into(),
         message: message.into(),
+        origin: None,
     }
+}
+
+/// The field a deserialization error is about: the path serde reached, or,
+/// for an unknown key at the top, the key the message names.
+fn field_of(path: &serde_path_to_error::Path, message: &str) -> String {
+    let p = path.to_string();
+    if p != "." && !p.is_empty() {
+        // `prefill[1]` is about `prefill`.
+        return p.split(['.', '[']).next().unwrap_or(&p).to_owned();
+    }
+    message
+        .split('`')
+        .nth(1)
+        .map_or_else(|| "config".into(), str::to_owned)
+}
+
+/// 1-based line of a byte offset.
+fn line_of(text: &str, offset: usize) -> usize {
+    text.as_bytes()[..offset.min(text.len())]
+        .iter()
+        .filter(|&&b| b == b'\n')
+        .count()
+        + 1
 }
 
 /// A node given on the command line or in the file.
@@ -214,51 +243,71 @@ fn positive(field: &str, v: f64) -> Result<(), ConfigError> {
 }
 
 impl RouterConfig {
-    /// Reads a TOML file; unknown keys and wrong types name the field.
-    pub fn from_toml(text: &str) -> Result<RouterConfig, ConfigError> {
-        toml::from_str(text).map_err(|e| {
-            let msg = e.message().to_owned();
-            // toml reports unknown keys as "unknown field `x`"; keep its wording.
-            let field = msg
-                .split('`')
-                .nth(1)
-                .map(str::to_owned)
-                .unwrap_or_else(|| "config".into());
-            bad(&field, msg)
+    /// Reads a TOML document; an unknown key or a wrong type names the field
+    /// and its line in `origin` (the file's name).
+    pub fn from_toml(text: &str, origin: &str) -> Result<RouterConfig, ConfigError> {
+        let locate = |span: Option<std::ops::Range<usize>>| match span {
+            Some(s) => format!("{origin} line {}", line_of(text, s.start)),
+            None => origin.to_owned(),
+        };
+        let de = toml::de::Deserializer::parse(text).map_err(|e| ConfigError {
+            field: "config".into(),
+            message: e.message().to_owned(),
+            origin: Some(locate(e.span())),
+        })?;
+        serde_path_to_error::deserialize(de).map_err(|e| {
+            let message = e.inner().message().to_owned();
+            ConfigError {
+                field: field_of(e.path(), &message),
+                origin: Some(locate(e.inner().span())),
+                message,
+            }
         })
     }
 
-    pub fn from_json(text: &str) -> Result<RouterConfig, ConfigError> {
-        serde_json::from_str(text).map_err(|e| {
-            let msg = e.to_string();
-            let field = msg
-                .split('`')
-                .nth(1)
-                .map(str::to_owned)
-                .unwrap_or_else(|| "config".into());
-            bad(&field, msg)
+    /// Reads a TOML file (see [`RouterConfig::from_toml`]).
+    pub fn from_toml_file(path: &std::path::Path) -> Result<RouterConfig, ConfigError> {
+        let name = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            field: "config".into(),
+            message: format!("cannot read {name}: {e}"),
+            origin: None,
+        })?;
+        RouterConfig::from_toml(&text, &name)
+    }
+
+    /// This configuration with `overrides` (a JSON object of TOML keys, the
+    /// command line's flags) replacing its values.
+    pub fn with_overrides(self, overrides: &str) -> Result<RouterConfig, ConfigError> {
+        let top = |e: serde_json::Error| bad("config", e.to_string());
+        let extra: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(overrides).map_err(top)?;
+        if extra.is_empty() {
+            return Ok(self);
+        }
+        let mut all = match serde_json::to_value(&self).map_err(top)? {
+            serde_json::Value::Object(m) => m,
+            _ => return Err(bad("config", "settings are not a table")),
+        };
+        all.extend(extra);
+        serde_path_to_error::deserialize(serde_json::Value::Object(all)).map_err(|e| {
+            let message = e.inner().to_string();
+            bad(&field_of(e.path(), &message), message)
         })
     }
 
-    /// Rejects every bad value before the server starts.
-    pub fn validate(&self) -> Result<Validated, ConfigError> {
+    /// Rejects every bad value once, before anything starts.
+    pub fn validate(self) -> Result<Settings, ConfigError> {
         if self.host.trim().is_empty() {
             return Err(bad("host", "must not be empty"));
         }
-        let policy = PolicyKind::parse(&self.policy).map_err(|e| bad("policy", e.to_string()))?;
-        let weights = ppd_core::Weights::new(self.w_ttft, self.w_tpot).map_err(|e| {
+        let weights = Weights::new(self.w_ttft, self.w_tpot).map_err(|e| {
             let field = if e.to_string().contains("w_ttft") {
                 "w_ttft"
             } else {
                 "w_tpot"
             };
             bad(field, e.to_string())
-        })?;
-        let kv = KvProtocol::parse(&self.kv_protocol).ok_or_else(|| {
-            bad(
-                "kv_protocol",
-                format!("{:?}: expected nixl, p2pnccl or none", self.kv_protocol),
-            )
         })?;
         for (field, v) in [
             ("session_ttl", self.session_ttl),
@@ -288,15 +337,6 @@ impl RouterConfig {
                 ),
             ));
         }
-        if !matches!(self.runtime.as_str(), "thread-per-core" | "work-stealing") {
-            return Err(bad(
-                "runtime",
-                format!(
-                    "must be `thread-per-core` or `work-stealing`, got `{}`",
-                    self.runtime
-                ),
-            ));
-        }
         if self.breaker_failures == 0 {
             return Err(bad("breaker_failures", "must be at least 1"));
         }
@@ -313,42 +353,94 @@ impl RouterConfig {
         let nodes = |field: &str, list: &[String]| -> Result<Vec<NodeSpec>, ConfigError> {
             list.iter().map(|s| parse_node(field, s)).collect()
         };
-        let v = Validated {
-            prefill: nodes("prefill", &self.prefill)?,
-            decode: nodes("decode", &self.decode)?,
-            pd_capable: nodes("pd_capable", &self.pd_capable)?,
-            replica: nodes("replica", &self.replica)?,
-            policy,
-            weights,
-            kv,
-        };
-        if self.emulated.is_some() {
-            if !(v.prefill.is_empty()
-                && v.decode.is_empty()
-                && v.pd_capable.is_empty()
-                && v.replica.is_empty())
-            {
-                return Err(bad(
-                    "emulated",
-                    "give either an emulated layout or node URLs, not both",
-                ));
-            }
-            return Ok(v);
+        let mut static_nodes = Vec::new();
+        for (field, list, role) in [
+            ("prefill", &self.prefill, Role::P),
+            ("decode", &self.decode, Role::D),
+            ("pd_capable", &self.pd_capable, Role::PD),
+            ("replica", &self.replica, Role::R),
+        ] {
+            static_nodes.extend(nodes(field, list)?.into_iter().map(|n| (role, n)));
         }
-        Ok(v)
+        let emulated = match &self.emulated {
+            None => None,
+            Some(layout) => {
+                if !static_nodes.is_empty() {
+                    return Err(bad(
+                        "emulated",
+                        "give either an emulated layout or node URLs, not both",
+                    ));
+                }
+                Some(parse_layout(layout).map_err(|e| bad("emulated", e.to_string()))?)
+            }
+        };
+        Ok(Settings {
+            cfg: self,
+            weights,
+            nodes: static_nodes,
+            emulated,
+        })
     }
 }
 
-/// The parsed forms of a valid configuration.
+/// A validated configuration: only [`RouterConfig::validate`] makes one, and
+/// the router runs only on one.
 #[derive(Debug, Clone)]
-pub struct Validated {
-    pub prefill: Vec<NodeSpec>,
-    pub decode: Vec<NodeSpec>,
-    pub pd_capable: Vec<NodeSpec>,
-    pub replica: Vec<NodeSpec>,
-    pub policy: PolicyKind,
-    pub weights: ppd_core::Weights,
-    pub kv: KvProtocol,
+pub struct Settings {
+    cfg: RouterConfig,
+    weights: Weights,
+    nodes: Vec<(Role, NodeSpec)>,
+    emulated: Option<Vec<Role>>,
+}
+
+impl Settings {
+    pub fn config(&self) -> &RouterConfig {
+        &self.cfg
+    }
+    pub fn weights(&self) -> Weights {
+        self.weights
+    }
+    /// The static nodes with their roles, in the order given.
+    pub fn nodes(&self) -> &[(Role, NodeSpec)] {
+        &self.nodes
+    }
+    /// The roles of the emulated layout still to be started, if any.
+    pub fn emulated(&self) -> Option<&[Role]> {
+        self.emulated.as_deref()
+    }
+
+    /// Replaces the emulated layout by the nodes started for it, as static
+    /// nodes (`urls` in layout order).
+    pub fn with_emulated_nodes(mut self, urls: &[String]) -> Result<Settings, ConfigError> {
+        let roles = self.emulated.take().unwrap_or_default();
+        if roles.len() != urls.len() {
+            return Err(bad(
+                "emulated",
+                format!("{} nodes started for {} roles", urls.len(), roles.len()),
+            ));
+        }
+        for (role, url) in roles.into_iter().zip(urls) {
+            let spec = parse_node("emulated", url)?;
+            match role {
+                Role::P => self.cfg.prefill.push(url.clone()),
+                Role::D => self.cfg.decode.push(url.clone()),
+                Role::PD => self.cfg.pd_capable.push(url.clone()),
+                Role::R => self.cfg.replica.push(url.clone()),
+            }
+            self.nodes.push((role, spec));
+        }
+        // The layout is now a set of static nodes.
+        self.cfg.emulated = None;
+        Ok(self)
+    }
+
+    /// The table to load: the configured one, or the built-in one nearest the deployment.
+    pub fn table_spec(&self) -> String {
+        self.cfg.table.clone().unwrap_or_else(|| {
+            let roles: Vec<Role> = self.nodes.iter().map(|(r, _)| *r).collect();
+            ppd_core::builtin::nearest_for(&roles).spec()
+        })
+    }
 }
 
 #[cfg(test)]
@@ -357,8 +449,9 @@ mod tests {
 
     #[test]
     fn defaults_are_valid() {
-        let v = RouterConfig::default().validate().unwrap();
-        assert_eq!(v.kv, KvProtocol::Nixl);
+        let s = RouterConfig::default().validate().unwrap();
+        assert_eq!(s.config().kv_protocol, KvProtocol::Nixl);
+        assert_eq!(s.config().runtime, Runtime::ThreadPerCore);
         assert_eq!(RouterConfig::default().max_body_bytes, 16 * 1024 * 1024);
     }
 
@@ -366,14 +459,11 @@ mod tests {
     fn every_bad_value_names_its_field() {
         type Mutation = Box<dyn Fn(&mut RouterConfig)>;
         let cases: Vec<(&str, Mutation)> = vec![
-            ("policy", Box::new(|c| c.policy = "fast".into())),
             ("w_ttft", Box::new(|c| c.w_ttft = f64::NAN)),
             ("w_tpot", Box::new(|c| c.w_tpot = -1.0)),
-            ("kv_protocol", Box::new(|c| c.kv_protocol = "rdma".into())),
             ("session_ttl", Box::new(|c| c.session_ttl = 0.0)),
             ("request_timeout", Box::new(|c| c.request_timeout = -3.0)),
             ("max_body_bytes", Box::new(|c| c.max_body_bytes = 0)),
-            ("runtime", Box::new(|c| c.runtime = "per-request".into())),
             ("worker_threads", Box::new(|c| c.worker_threads = 5000)),
             (
                 "prefill",
@@ -396,6 +486,7 @@ mod tests {
                     c.prefill = vec!["http://a:1".into()];
                 }),
             ),
+            ("emulated", Box::new(|c| c.emulated = Some("2X".into()))),
         ];
         for (field, mutate) in cases {
             let mut c = RouterConfig::default();
@@ -406,23 +497,69 @@ mod tests {
     }
 
     #[test]
-    fn toml_and_flags_share_one_schema() {
+    fn enum_settings_are_refused_by_name_when_parsed() {
+        for (key, value) in [
+            ("policy", "\"fast\""),
+            ("kv_protocol", "\"rdma\""),
+            ("runtime", "\"per-request\""),
+        ] {
+            let e = RouterConfig::default()
+                .with_overrides(&format!("{{\"{key}\": {value}}}"))
+                .unwrap_err();
+            assert_eq!(e.field, key, "{e}");
+        }
+    }
+
+    #[test]
+    fn toml_errors_name_the_field_and_its_line() {
         let c = RouterConfig::from_toml(
             "port = 9000\nprefill = [\"http://127.0.0.1:8100\"]\npolicy = \"fraction:0.5\"\n",
+            "r.toml",
         )
         .unwrap();
         assert_eq!(c.port, 9000);
         assert_eq!(c.prefill, vec!["http://127.0.0.1:8100".to_string()]);
-        assert_eq!(c.validate().unwrap().policy, PolicyKind::Fraction(0.5));
-        let e = RouterConfig::from_toml("prot = 1\n").unwrap_err();
-        assert_eq!(e.field, "prot");
-        let e = RouterConfig::from_toml("port = \"x\"\n").unwrap_err();
-        assert!(e.message.contains("port") || e.field == "config", "{e}");
-        let e = RouterConfig::from_json("{\"w_ttft\": \"high\"}").unwrap_err();
+        assert_eq!(c.policy, PolicyKind::Fraction(0.5));
+        let e = RouterConfig::from_toml("host = \"h\"\nprot = 1\n", "r.toml").unwrap_err();
+        assert_eq!(
+            (e.field.as_str(), e.origin.as_deref()),
+            ("prot", Some("r.toml line 2"))
+        );
+        let e = RouterConfig::from_toml("\n\nport = \"9000\"\n", "r.toml").unwrap_err();
+        assert_eq!(
+            (e.field.as_str(), e.origin.as_deref()),
+            ("port", Some("r.toml line 3"))
+        );
         assert!(
-            e.to_string().contains("w_ttft") || e.message.contains("f64"),
+            e.to_string()
+                .starts_with("r.toml line 3: invalid setting `port`"),
             "{e}"
         );
+        let e = RouterConfig::from_toml("policy = \"fast\"\n", "r.toml").unwrap_err();
+        assert_eq!(
+            (e.field.as_str(), e.origin.as_deref()),
+            ("policy", Some("r.toml line 1"))
+        );
+        let e = RouterConfig::from_toml("prefill = [\"a\", 3]\n", "r.toml").unwrap_err();
+        assert_eq!(e.field, "prefill", "{e}");
+        let e = RouterConfig::from_toml("port = \n", "r.toml").unwrap_err();
+        assert_eq!(e.origin.as_deref(), Some("r.toml line 1"), "{e}");
+    }
+
+    #[test]
+    fn flags_override_the_file() {
+        let c = RouterConfig::from_toml("port = 9000\nw_tpot = 3.0\n", "r.toml")
+            .unwrap()
+            .with_overrides(r#"{"port": 9100, "runtime": "work-stealing"}"#)
+            .unwrap();
+        assert_eq!(
+            (c.port, c.w_tpot, c.runtime),
+            (9100, 3.0, Runtime::WorkStealing)
+        );
+        let e = RouterConfig::default()
+            .with_overrides(r#"{"w_ttft": "high"}"#)
+            .unwrap_err();
+        assert_eq!(e.field, "w_ttft", "{e}");
     }
 
     #[test]
@@ -430,5 +567,20 @@ mod tests {
         let n = parse_node("prefill", "http://10.0.0.1:8100/;zmq=10.0.0.1:21001").unwrap();
         assert_eq!(n.url, "http://10.0.0.1:8100");
         assert_eq!(n.zmq.as_deref(), Some("10.0.0.1:21001"));
+    }
+
+    #[test]
+    fn an_emulated_layout_becomes_static_nodes_and_picks_the_nearest_table() {
+        let c = RouterConfig {
+            emulated: Some("2P1pD".into()),
+            ..RouterConfig::default()
+        };
+        let s = c.validate().unwrap();
+        assert_eq!(s.emulated(), Some(&[Role::P, Role::P, Role::PD][..]));
+        let urls = ["http://a:1", "http://b:1", "http://c:1"].map(String::from);
+        let s = s.with_emulated_nodes(&urls).unwrap();
+        assert!(s.emulated().is_none() && s.config().emulated.is_none());
+        assert_eq!(s.config().pd_capable, vec!["http://c:1".to_string()]);
+        assert_eq!(s.table_spec(), "builtin:h100-3P1pD");
     }
 }

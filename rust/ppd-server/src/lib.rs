@@ -1,21 +1,38 @@
 //! ppd-server: the router's HTTP service over P, D/pD and R pools.
 //!
-//! Layers run top to bottom once per request ([`proxy`]): ingress, identity,
-//! policy (ppd-core), orchestration (NIXL / P2pNccl / none), upstream relay,
-//! bookkeeping. Side planes: [`registry`], [`admin`], [`metrics`].
+//! A request flows down the layers once: [`ingress`] (HTTP, body limits,
+//! OpenAI errors) → [`identify`] (conversation, features) → [`route`] (path,
+//! P, D, vetoes) → [`orchestrate`] (through the [`connector`] of the KV
+//! protocol) → [`upstream`] and [`relay`] (node calls, the relayed answer) →
+//! [`bookkeeping`] (session update, metrics). Side planes: [`registry`],
+//! [`admin`], [`metrics`]. Emulated nodes are started by the caller; this
+//! crate never links the emulator.
+
+// The request path returns `Result<_, Response>`: a refusal is the answer to
+// send, built once on the way out; boxing it would only add an allocation.
+#![allow(clippy::result_large_err)]
 
 pub mod admin;
 pub mod body;
+mod bookkeeping;
 pub mod config;
+mod connector;
+pub mod error;
+mod identify;
+mod ingress;
 pub mod metrics;
-pub mod proxy;
+mod orchestrate;
 pub mod registry;
+mod relay;
+mod route;
 pub mod server;
 pub mod sse;
 pub mod state;
+mod upstream;
 
-pub use config::RouterConfig;
-pub use server::{run, serve_blocking, RouterHandle};
+pub use config::{RouterConfig, Settings};
+pub use identify::SESSION_HEADER;
+pub use server::{run, serve_blocking, shutdown_signal, RouterHandle};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {

@@ -7,42 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use ppd_core::session::NodeId;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
-pub enum Role {
-    /// Prefill only.
-    P,
-    /// Decode only: always receives KV from P (x ≡ 0).
-    D,
-    /// Prefill-capable decode: may append-prefill Turn 2+ locally.
-    #[serde(rename = "pD")]
-    PD,
-    /// Replica: prefill and decode.
-    R,
-}
-
-impl Role {
-    pub fn parse(s: &str) -> Option<Role> {
-        match s {
-            "P" | "p" | "prefill" => Some(Role::P),
-            "D" | "d" | "decode" => Some(Role::D),
-            "pD" | "PD" | "pd" | "pd_capable" => Some(Role::PD),
-            "R" | "r" | "replica" => Some(Role::R),
-            _ => None,
-        }
-    }
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::P => "P",
-            Role::D => "D",
-            Role::PD => "pD",
-            Role::R => "R",
-        }
-    }
-    pub fn decodes(self) -> bool {
-        matches!(self, Role::D | Role::PD)
-    }
-}
+use ppd_core::Role;
 
 /// Where a node came from: static ones never expire, registered ones do without heartbeats.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

@@ -1,8 +1,7 @@
 //! Assembles the HTTP service, starts the background planes (health checks, heartbeat expiry, session sweep) and runs until shutdown.
 
-use axum::body::Body;
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::serve::ListenerExt;
@@ -12,53 +11,26 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::config::RouterConfig;
-use crate::metrics::{NodeStateLabels, RequestLabels};
-use crate::proxy::{completions, openai_error, Counted, Endpoint};
-use crate::registry::{NodeState, Role};
-use crate::state::{default_table_for, AppState};
+use ppd_core::Role;
+
+use crate::config::{RouterConfig, Runtime, Settings};
+use crate::error::openai_error;
+use crate::ingress;
+use crate::metrics::NodeStateLabels;
+use crate::registry::NodeState;
+use crate::state::AppState;
 use crate::ServerError;
 
 pub fn app(state: Arc<AppState>) -> Router {
     Router::new()
-        .route("/v1/chat/completions", post(chat))
-        .route("/v1/completions", post(complete))
+        .route("/v1/chat/completions", post(ingress::chat))
+        .route("/v1/completions", post(ingress::complete))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .merge(crate::admin::routes())
         .fallback(not_found)
         .with_state(state)
-}
-
-async fn chat(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
-    count_rejected(
-        &st,
-        completions(Arc::clone(&st), Endpoint::Chat, headers, body).await,
-    )
-}
-
-async fn complete(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
-    count_rejected(
-        &st,
-        completions(Arc::clone(&st), Endpoint::Completions, headers, body).await,
-    )
-}
-
-/// Requests refused before routing (bad body, unknown model, …) are counted
-/// too, under path `none`, so every request shows up in the metrics.
-fn count_rejected(st: &AppState, resp: Response) -> Response {
-    if resp.extensions().get::<Counted>().is_none() {
-        st.metrics
-            .requests
-            .get_or_create(&RequestLabels {
-                path: "none",
-                reason: "rejected",
-                status: resp.status().as_u16(),
-            })
-            .inc();
-    }
-    resp
 }
 
 async fn not_found() -> Response {
@@ -170,61 +142,27 @@ async fn background(st: Arc<AppState>) {
     }
 }
 
-/// Resolves the emulated layout (if any) into node URLs and the table to use.
-async fn prepare(
-    mut cfg: RouterConfig,
-) -> Result<(RouterConfig, Option<ppd_emulator::Cluster>), ServerError> {
-    let Some(layout) = cfg.emulated.clone() else {
-        return Ok((cfg, None));
-    };
-    let roles = ppd_emulator::parse_layout(&layout)
-        .map_err(|e| ServerError::Config(format!("invalid setting `emulated`: {e}")))?;
-    let mut base = ppd_emulator::NodeConfig::new(ppd_emulator::Role::D);
-    if let Some(p) = &cfg.emulator_profile {
-        base.profile = ppd_emulator::load_profile(p)
-            .map_err(|e| ServerError::Config(format!("invalid setting `emulator_profile`: {e}")))?;
-    }
-    let cluster = ppd_emulator::start_cluster(&roles, &base)
-        .await
-        .map_err(|e| ServerError::Config(format!("emulated cluster: {e}")))?;
-    for n in &cluster.nodes {
-        let list = match n.role {
-            ppd_emulator::LayoutRole::P => &mut cfg.prefill,
-            ppd_emulator::LayoutRole::D => &mut cfg.decode,
-            ppd_emulator::LayoutRole::PD => &mut cfg.pd_capable,
-            ppd_emulator::LayoutRole::R => &mut cfg.replica,
-        };
-        list.push(n.url.clone());
-    }
-    // The layout is now a set of static nodes.
-    cfg.emulated = None;
-    Ok((cfg, Some(cluster)))
-}
-
 /// Runs the router on `listener` until `shutdown` resolves.
+/// An emulated layout must have been started (and turned into nodes with
+/// [`Settings::with_emulated_nodes`]) by the caller: the router runs on nodes only.
 pub async fn run(
-    cfg: RouterConfig,
+    settings: Settings,
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
     ready: Option<tokio::sync::oneshot::Sender<Arc<AppState>>>,
 ) -> Result<(), ServerError> {
-    cfg.validate()
-        .map_err(|e| ServerError::Config(e.to_string()))?;
-    let (cfg, cluster) = prepare(cfg).await?;
-    let v = cfg
-        .validate()
-        .map_err(|e| ServerError::Config(e.to_string()))?;
-    let table = cfg
-        .table
-        .clone()
-        .unwrap_or_else(|| default_table_for(v.prefill.len(), v.decode.len() + v.pd_capable.len()));
-    let state = AppState::build(cfg, &v, table)?;
+    if settings.emulated().is_some() {
+        return Err(ServerError::Config(
+            "invalid setting `emulated`: the emulated nodes must be started before the router (ppd-router serve does)".into(),
+        ));
+    }
+    let state = AppState::build(&settings)?;
     check_health(&state).await;
     let bg = tokio::spawn(background(Arc::clone(&state)));
     if let Some(tx) = ready {
         let _ = tx.send(Arc::clone(&state));
     }
-    let served = if state.cfg.runtime == "work-stealing" {
+    let served = if state.cfg.runtime == Runtime::WorkStealing {
         let keeper = tokio::spawn(keep_timer_wake_near());
         let served = axum::serve(with_nodelay(listener), app(Arc::clone(&state)))
             .with_graceful_shutdown(shutdown)
@@ -237,9 +175,6 @@ pub async fn run(
         serve_thread_per_core(listener, Arc::clone(&state), threads, shutdown).await
     };
     bg.abort();
-    if let Some(c) = cluster {
-        c.shutdown().await;
-    }
     served
 }
 
@@ -386,10 +321,9 @@ pub struct RouterHandle {
 
 impl RouterHandle {
     /// Starts and returns once the router accepts connections.
-    pub fn start(cfg: RouterConfig) -> Result<RouterHandle, ServerError> {
-        cfg.validate()
-            .map_err(|e| ServerError::Config(e.to_string()))?;
-        let rt = runtime(&cfg)?;
+    pub fn start(settings: Settings) -> Result<RouterHandle, ServerError> {
+        let cfg = settings.config();
+        let rt = runtime(cfg)?;
         let listener = rt.block_on(bind(&cfg.host, cfg.port))?;
         let addr = listener.local_addr().map_err(ServerError::Io)?;
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -398,7 +332,7 @@ impl RouterHandle {
             .name("ppd-router".into())
             .spawn(move || {
                 rt.block_on(run(
-                    cfg,
+                    settings,
                     listener,
                     async move {
                         let _ = stop_rx.await;
@@ -451,12 +385,35 @@ impl Drop for RouterHandle {
 }
 
 /// Runs in the foreground until SIGINT or SIGTERM.
-pub fn serve_blocking(cfg: RouterConfig) -> Result<(), ServerError> {
-    let rt = runtime(&cfg)?;
+pub fn serve_blocking(settings: Settings) -> Result<(), ServerError> {
+    let rt = runtime(settings.config())?;
     rt.block_on(async move {
+        let cfg = settings.config();
         let listener = bind(&cfg.host, cfg.port).await?;
         let addr = listener.local_addr().map_err(ServerError::Io)?;
         eprintln!("ppd-router listening on http://{addr}");
-        run(cfg, listener, ppd_emulator::shutdown_signal(), None).await
+        run(settings, listener, shutdown_signal(), None).await
     })
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
 }

@@ -8,65 +8,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use thread_local::ThreadLocal;
 
+use ppd_core::builtin::load_table;
 use ppd_core::qps::QpsEstimator;
 use ppd_core::session::{SessionConfig, SessionTable};
 use ppd_core::tokens::{TokenCounter, WordRule};
-use ppd_core::{DecisionEngine, Path, Reason, Table};
+use ppd_core::{DecisionEngine, Path, Reason, Role};
 
-use crate::config::{KvProtocol, RouterConfig, Validated};
+use crate::config::{RouterConfig, Settings};
+use crate::connector::{self, KvConnector};
 use crate::metrics::Metrics;
-use crate::registry::{BreakerConfig, Registry, Role, Source};
+use crate::registry::{BreakerConfig, Registry, Source};
 use crate::ServerError;
-
-/// The shipped tables, compiled in so a bare install can route with them.
-pub const BUILTIN_TABLES: [(&str, &str); 3] = [
-    (
-        "h100-1P3pD",
-        include_str!("../../../tables/h100-llama3.1-8b-1P3pD.json"),
-    ),
-    (
-        "h100-2P2pD",
-        include_str!("../../../tables/h100-llama3.1-8b-2P2pD.json"),
-    ),
-    (
-        "h100-3P1pD",
-        include_str!("../../../tables/h100-llama3.1-8b-3P1pD.json"),
-    ),
-];
-
-/// Loads `builtin:NAME` or a file path.
-pub fn load_table(spec: &str) -> Result<Table, ServerError> {
-    if let Some(name) = spec.strip_prefix("builtin:") {
-        let (_, text) = BUILTIN_TABLES
-            .iter()
-            .find(|(n, _)| *n == name)
-            .ok_or_else(|| ServerError::Config(format!("invalid setting `table`: no builtin table {name:?} (have h100-1P3pD, h100-2P2pD, h100-3P1pD)")))?;
-        return Table::from_json(text, spec).map_err(|e| ServerError::Config(e.to_string()));
-    }
-    let text = std::fs::read_to_string(spec).map_err(|e| {
-        ServerError::Config(format!("invalid setting `table`: cannot read {spec}: {e}"))
-    })?;
-    Table::from_json(&text, spec).map_err(|e| ServerError::Config(e.to_string()))
-}
-
-/// The builtin table whose P:D ratio is closest to the deployment's.
-pub fn default_table_for(p: usize, d: usize) -> String {
-    let ratio = if d == 0 {
-        1.0
-    } else {
-        p as f64 / (p + d) as f64
-    };
-    let options = [
-        (0.25, "h100-1P3pD"),
-        (0.5, "h100-2P2pD"),
-        (0.75, "h100-3P1pD"),
-    ];
-    let best = options
-        .iter()
-        .min_by(|a, b| (a.0 - ratio).abs().total_cmp(&(b.0 - ratio).abs()))
-        .map_or("h100-2P2pD", |o| o.1);
-    format!("builtin:{best}")
-}
 
 /// Counts of decisions by path, reason and cell, for the admin API.
 #[derive(Default)]
@@ -87,7 +39,8 @@ pub struct CellCount {
 
 pub struct AppState {
     pub cfg: RouterConfig,
-    pub kv: KvProtocol,
+    /// How the pd path hands KV from P to D, chosen once from `kv_protocol`.
+    pub(crate) connector: Box<dyn KvConnector>,
     pub engine: DecisionEngine,
     pub table_spec: Mutex<String>,
     pub sessions: SessionTable,
@@ -108,13 +61,12 @@ pub struct AppState {
 }
 
 impl AppState {
-    pub fn build(
-        cfg: RouterConfig,
-        v: &Validated,
-        table_spec: String,
-    ) -> Result<Arc<AppState>, ServerError> {
-        let table = load_table(&table_spec)?;
-        let engine = DecisionEngine::new(table, v.policy, v.weights);
+    pub fn build(settings: &Settings) -> Result<Arc<AppState>, ServerError> {
+        let cfg = settings.config().clone();
+        let table_spec = settings.table_spec();
+        let table = load_table(&table_spec)
+            .map_err(|e| ServerError::Config(format!("invalid setting `table`: {e}")))?;
+        let engine = DecisionEngine::new(table, cfg.policy, settings.weights());
         let sessions = SessionTable::new(SessionConfig {
             ttl_ms: (cfg.session_ttl * 1000.0) as u64,
             capacity: cfg.session_capacity,
@@ -142,7 +94,7 @@ impl AppState {
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0);
         let state = Arc::new(AppState {
-            kv: v.kv,
+            connector: connector::build(cfg.kv_protocol),
             engine,
             table_spec: Mutex::new(table_spec),
             sessions,
@@ -159,17 +111,10 @@ impl AppState {
             cfg,
         });
         let now = state.now_ms();
-        for (specs, role) in [
-            (&v.prefill, Role::P),
-            (&v.decode, Role::D),
-            (&v.pd_capable, Role::PD),
-            (&v.replica, Role::R),
-        ] {
-            for s in specs {
-                state
-                    .registry
-                    .upsert(&s.url, role, s.zmq.clone(), Source::Static, now);
-            }
+        for (role, node) in settings.nodes() {
+            state
+                .registry
+                .upsert(&node.url, *role, node.zmq.clone(), Source::Static, now);
         }
         Ok(state)
     }

@@ -4,7 +4,7 @@
 //! its turns and makes the split reproducible across runs and processes.
 
 use super::{Policy, PolicyKind};
-use crate::engine::{DecisionInput, Path, Reason, Scored, Weights};
+use crate::route::{DecisionInput, Path, Reason, Scored, Weights};
 
 pub struct FractionPolicy {
     x: f64,

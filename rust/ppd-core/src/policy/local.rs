@@ -1,7 +1,7 @@
 //! x ≡ 1, full append-prefill on D: every Turn 2+ request stays on its pD.
 
 use super::{Policy, PolicyKind};
-use crate::engine::{DecisionInput, Path, Reason, Scored, Weights};
+use crate::route::{DecisionInput, Path, Reason, Scored, Weights};
 
 pub struct LocalPolicy;
 

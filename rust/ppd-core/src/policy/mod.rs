@@ -15,8 +15,8 @@ pub use pd::PdPolicy;
 pub use ppd::PpdPolicy;
 pub use replica::ReplicaPolicy;
 
-use crate::engine::{DecisionInput, Path, Reason, Scored, Weights};
-use crate::Error;
+use crate::error::Error;
+use crate::route::{DecisionInput, Path, Reason, Scored, Weights};
 
 pub trait Policy: Send + Sync {
     fn kind(&self) -> PolicyKind;
@@ -81,6 +81,20 @@ impl PolicyKind {
     }
 }
 
+/// A policy in settings files is its name (`"fraction:0.5"`), checked as [`PolicyKind::parse`] checks it.
+impl serde::Serialize for PolicyKind {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for PolicyKind {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(d)?;
+        PolicyKind::parse(&name).map_err(serde::de::Error::custom)
+    }
+}
+
 impl std::fmt::Display for PolicyKind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -111,6 +125,17 @@ mod tests {
             assert_eq!(PolicyKind::parse(s).unwrap().to_string(), s);
         }
         assert_eq!(PolicyKind::parse("x0").unwrap(), PolicyKind::Pd);
+    }
+
+    #[test]
+    fn settings_files_hold_the_policy_by_name() {
+        let p: PolicyKind = serde_json::from_str("\"fraction:0.25\"").unwrap();
+        assert_eq!(p, PolicyKind::Fraction(0.25));
+        assert_eq!(serde_json::to_string(&p).unwrap(), "\"fraction:0.25\"");
+        let e = serde_json::from_str::<PolicyKind>("\"fast\"")
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("unknown policy \"fast\""), "{e}");
     }
 
     #[test]

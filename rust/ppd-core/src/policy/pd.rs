@@ -1,7 +1,7 @@
 //! x ≡ 0, traditional PD: every Turn 2+ request goes through P again.
 
 use super::{Policy, PolicyKind};
-use crate::engine::{DecisionInput, Path, Reason, Scored, Weights};
+use crate::route::{DecisionInput, Path, Reason, Scored, Weights};
 
 pub struct PdPolicy;
 

@@ -1,7 +1,7 @@
 //! PPD (Equation 1): local iff S = w_ttft·Δttft − w_tpot·Δtpot > 0 in the request's cell.
 
 use super::{Policy, PolicyKind};
-use crate::engine::{DecisionInput, Path, Reason, Scored, Weights};
+use crate::route::{DecisionInput, Path, Reason, Scored, Weights};
 
 pub struct PpdPolicy;
 

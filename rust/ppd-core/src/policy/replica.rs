@@ -1,7 +1,7 @@
 //! Replica serving: every request, Turn 1 included, to an R node.
 
 use super::{Policy, PolicyKind};
-use crate::engine::{DecisionInput, Path, Reason, Scored, Weights};
+use crate::route::{DecisionInput, Path, Reason, Scored, Weights};
 
 pub struct ReplicaPolicy;
 

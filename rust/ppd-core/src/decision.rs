@@ -9,215 +9,11 @@
 use arc_swap::ArcSwap;
 use std::sync::Arc;
 
-use crate::grid::GridPoint;
+use crate::error::Error;
 use crate::policy::fraction::unit_interval;
 use crate::policy::{ppd::score, Policy, PolicyKind};
+use crate::route::{DecisionInput, Path, Reason, Route, Scored, Weights};
 use crate::table::Table;
-use crate::Error;
-
-/// Operator weights of Equation 1.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Weights {
-    pub w_ttft: f64,
-    pub w_tpot: f64,
-}
-
-impl Default for Weights {
-    fn default() -> Self {
-        Weights {
-            w_ttft: 1.0,
-            w_tpot: 1.0,
-        }
-    }
-}
-
-impl Weights {
-    pub fn new(w_ttft: f64, w_tpot: f64) -> Result<Weights, Error> {
-        for (name, w) in [("w_ttft", w_ttft), ("w_tpot", w_tpot)] {
-            if !w.is_finite() || w < 0.0 {
-                return Err(Error::InvalidInput(format!(
-                    "{name} must be a finite number ≥ 0, got {w}"
-                )));
-            }
-        }
-        Ok(Weights { w_ttft, w_tpot })
-    }
-}
-
-/// Where a request goes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Path {
-    /// P prefills the whole prompt, its KV moves to D, D decodes (x = 0).
-    Pd,
-    /// The session's pD append-prefills only the new tokens (x = 1).
-    Local,
-    /// A replica prefills and decodes.
-    Replica,
-}
-
-impl Path {
-    pub const ALL: [Path; 3] = [Path::Pd, Path::Local, Path::Replica];
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Path::Pd => "pd",
-            Path::Local => "local",
-            Path::Replica => "replica",
-        }
-    }
-}
-
-/// Why the engine chose a path; logged and counted with every outcome.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Reason {
-    /// Turn 1: nothing is cached yet.
-    Turn1,
-    /// Turn 2+ but the router has no session for the conversation (new or expired).
-    NoSession,
-    /// The session's D is gone or unhealthy.
-    DUnavailable,
-    /// The policy chose local but the session's D is overloaded.
-    DOverloaded,
-    /// S > 0 in the request's cell.
-    ScorePositive,
-    /// S ≤ 0 in the request's cell.
-    ScoreNegative,
-    /// A static policy (`pd` or `local`) fixed the path.
-    Forced,
-    /// The conversation falls in the fraction policy's local share.
-    FractionLocal,
-    /// The conversation falls outside the fraction policy's local share.
-    FractionPd,
-    /// The replica policy sends everything to replicas.
-    ReplicaPolicy,
-    /// The policy chose local but the session's D is decode-only (x ≡ 0 node).
-    DecodeOnly,
-    /// A hybrid deployment put this new conversation on a replica.
-    HybridReplica,
-    /// The conversation lives on a replica, which holds its KV.
-    ReplicaSession,
-}
-
-impl Reason {
-    pub const ALL: [Reason; 13] = [
-        Reason::Turn1,
-        Reason::NoSession,
-        Reason::DUnavailable,
-        Reason::DOverloaded,
-        Reason::ScorePositive,
-        Reason::ScoreNegative,
-        Reason::Forced,
-        Reason::FractionLocal,
-        Reason::FractionPd,
-        Reason::ReplicaPolicy,
-        Reason::DecodeOnly,
-        Reason::HybridReplica,
-        Reason::ReplicaSession,
-    ];
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Reason::Turn1 => "turn1",
-            Reason::NoSession => "no_session",
-            Reason::DUnavailable => "d_unavailable",
-            Reason::DOverloaded => "d_overloaded",
-            Reason::ScorePositive => "score_positive",
-            Reason::ScoreNegative => "score_negative",
-            Reason::Forced => "forced",
-            Reason::FractionLocal => "fraction_local",
-            Reason::FractionPd => "fraction_pd",
-            Reason::ReplicaPolicy => "replica_policy",
-            Reason::DecodeOnly => "d_decode_only",
-            Reason::HybridReplica => "hybrid_replica",
-            Reason::ReplicaSession => "replica_session",
-        }
-    }
-}
-
-/// What the engine knows of one request.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct DecisionInput {
-    pub turn: u32,
-    pub n_in: u32,
-    pub n_out: u32,
-    pub n_ctx: u32,
-    /// Current conversation arrival rate (the table's QPS axis).
-    pub qps: f64,
-    /// [`crate::identity::hash_id`] of the conversation id.
-    pub conv_hash: u64,
-    /// The router holds a live session (and so a D with this conversation's KV).
-    pub has_session: bool,
-    /// That D is registered and healthy.
-    pub d_available: bool,
-    /// That D is over its load limit (a veto on local).
-    pub d_overloaded: bool,
-    /// That D may append-prefill locally (a pD, not a decode-only D).
-    pub d_local_capable: bool,
-    /// Hybrid R + P/D: the share of new conversations that replicas take.
-    pub replica_share: f64,
-    /// The session lives on a replica.
-    pub session_on_replica: bool,
-}
-
-impl DecisionInput {
-    /// A Turn 2+ request on a live, available, unloaded session.
-    pub fn turn(turn: u32, n_in: u32, n_out: u32, n_ctx: u32, qps: f64) -> Self {
-        DecisionInput {
-            turn,
-            n_in,
-            n_out,
-            n_ctx,
-            qps,
-            conv_hash: 0,
-            has_session: true,
-            d_available: true,
-            d_overloaded: false,
-            d_local_capable: true,
-            replica_share: 0.0,
-            session_on_replica: false,
-        }
-    }
-
-    fn validate(&self) -> Result<(), Error> {
-        if !self.qps.is_finite() || self.qps < 0.0 {
-            return Err(Error::InvalidInput(format!(
-                "qps must be a finite number ≥ 0, got {}",
-                self.qps
-            )));
-        }
-        if self.turn == 0 {
-            return Err(Error::InvalidInput("turn must be at least 1".into()));
-        }
-        if !(0.0..=1.0).contains(&self.replica_share) {
-            return Err(Error::InvalidInput(format!(
-                "replica_share must be in [0, 1], got {}",
-                self.replica_share
-            )));
-        }
-        Ok(())
-    }
-}
-
-/// The request's cell and its score under the current weights.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Scored {
-    /// The grid point the features discretize to.
-    pub point: GridPoint,
-    /// The populated cell that answered for it (== point unless it fell back).
-    pub cell_at: GridPoint,
-    /// Distance of the fallback (0 when the cell is populated).
-    pub distance: f64,
-    pub d_ttft: f64,
-    pub d_tpot: f64,
-    pub score: f64,
-}
-
-/// The decision.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Route {
-    pub path: Path,
-    pub reason: Reason,
-    /// Present for Turn 2+ requests that reached the table.
-    pub scored: Option<Scored>,
-}
 
 pub struct DecisionEngine {
     table: ArcSwap<Table>,
@@ -339,11 +135,11 @@ mod tests {
     /// Local helps TTFT and hurts TPOT everywhere (the paper's premise), by
     /// amounts that vary per cell.
     fn tradeoff_table() -> Table {
-        let wl = crate::grid::paper_workloads();
+        let wl = crate::catalog::paper_workloads();
         let mut cells = Vec::new();
         for (ci, c) in ["small", "large"].iter().enumerate() {
             for (wi, w) in wl.iter().enumerate() {
-                for (qi, &q) in crate::grid::PAPER_QPS.iter().enumerate() {
+                for (qi, &q) in crate::catalog::PAPER_QPS.iter().enumerate() {
                     let gain = 0.1 + 0.05 * ((ci + wi + qi) % 10) as f64; // 10%..55% TTFT
                     let cost = 0.02 + 0.03 * ((wi * 7 + qi * 3) % 12) as f64; // 2%..35% TPOT
                     cells.push(cell(

@@ -1,15 +1,15 @@
-//! Engine profiles: the built-in calibrated one, by name, or a TOML file by path.
+//! Engine profiles by name — the built-in calibrated one and its NIXL variant — or a TOML file by path.
 
-use ppd_core::emu::Profile;
+use ppd_core::Error;
 
-use crate::Error;
+use crate::profile::Profile;
 
 /// Name of the built-in profile (fitted to the measured H100 data).
 pub const DEFAULT_PROFILE_NAME: &str = "h100-llama3.1-8b";
 /// Its TOML text, as committed in `tables/`.
 pub const DEFAULT_PROFILE: &str = include_str!("../../../tables/engine-h100-llama3.1-8b.toml");
 
-pub(crate) fn default_profile() -> Profile {
+pub fn default_profile() -> Profile {
     // Compiled in and checked by a unit test: a failure here is a broken build, never input.
     // Falling back to another profile would silently emulate some other machine.
     match parse(DEFAULT_PROFILE, DEFAULT_PROFILE_NAME) {

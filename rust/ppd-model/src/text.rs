@@ -1,4 +1,4 @@
-//! The emulator's tokenizer and text generator, built on the word rule of [`crate::tokens`].
+//! The emulator's tokenizer and text generator, built on the word rule of [`ppd_core::tokens`].
 //!
 //! A chat prompt renders as Llama-3's template does, token for token:
 //! `<|begin_of_text|>`, then per message `<|start_header_id|> role <|end_header_id|>`
@@ -8,8 +8,8 @@
 
 use xxhash_rust::xxh3::xxh3_64;
 
-use super::engine::mix64;
-use crate::tokens::{
+use crate::engine::mix64;
+use ppd_core::tokens::{
     word_rule_tokens, GENERATION_PROMPT_TOKENS, MESSAGE_OVERHEAD_TOKENS, PROMPT_PREFIX_TOKENS,
 };
 
@@ -118,7 +118,7 @@ impl Generator {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tokens::word_rule_count;
+    use ppd_core::tokens::word_rule_count;
 
     #[test]
     fn chat_prompt_length_matches_the_router_estimate_formula() {

@@ -1,12 +1,9 @@
 //! The virtual-time cluster simulator: the emulator's engine model on every node,
-//! this crate's own [`DecisionEngine`] as the router, and the paper's two-turn
+//! the router's own [`DecisionEngine`] (ppd-core) as the router, and the paper's two-turn
 //! Poisson workloads, reporting the metrics of the measured result files.
 //!
 //! One point (deployment × policy × workload × QPS) is one deterministic run;
 //! [`run_grid`] spreads many points over threads.
-
-pub mod layout;
-mod workload;
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
@@ -14,15 +11,13 @@ use std::collections::{BinaryHeap, VecDeque};
 use ahash::AHashMap;
 use serde::{Deserialize, Serialize};
 
-use crate::emu::engine::mix64;
-use crate::emu::{Content, Engine, Event, Kind, Profile, Submit};
-use crate::engine::{DecisionEngine, DecisionInput, Path, Weights};
-use crate::policy::PolicyKind;
-use crate::qps::QpsEstimator;
-use crate::table::Table;
-use crate::Error;
-pub use layout::{parse_layout, LayoutRole};
-pub use workload::{paper_workload_names, Workload, T2_WORKLOADS};
+use ppd_core::catalog::Workload;
+use ppd_core::layout::{parse_layout, Role};
+use ppd_core::qps::QpsEstimator;
+use ppd_core::{DecisionEngine, DecisionInput, Error, Path, PolicyKind, Table, Weights};
+
+use crate::engine::{mix64, Content, Engine, Event, Finish, Kind, Submit};
+use crate::profile::Profile;
 
 /// One simulated point. Times in seconds, as on the command line.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -239,7 +234,7 @@ struct Sim<'a> {
     specs: Vec<Vec<(u32, u32)>>,
     router: DecisionEngine,
     qps: QpsEstimator,
-    roles: Vec<LayoutRole>,
+    roles: Vec<Role>,
     nodes: Vec<Engine>,
     ps: Vec<usize>,
     ds: Vec<usize>,
@@ -525,7 +520,7 @@ impl<'a> Sim<'a> {
                     let Some(r) = self.reqs.remove(&id) else {
                         continue;
                     };
-                    if finish == crate::emu::Finish::Aborted {
+                    if finish == Finish::Aborted {
                         continue;
                     }
                     let conv = r.conv;
@@ -752,7 +747,7 @@ pub fn simulate(
         _ => placeholder_table()?,
     };
     let router = DecisionEngine::new(table, kind, Weights::new(cfg.w_ttft, cfg.w_tpot)?);
-    let idx = |f: fn(LayoutRole) -> bool| -> Vec<usize> {
+    let idx = |f: fn(Role) -> bool| -> Vec<usize> {
         roles
             .iter()
             .enumerate()
@@ -760,9 +755,9 @@ pub fn simulate(
             .map(|(i, _)| i)
             .collect()
     };
-    let ps = idx(|r| r == LayoutRole::P);
-    let ds = idx(|r| r.is_decode());
-    let rs = idx(|r| r == LayoutRole::R);
+    let ps = idx(|r| r == Role::P);
+    let ds = idx(|r| r.decodes());
+    let rs = idx(|r| r == Role::R);
     // New conversations split between replicas and the P/D pipeline by their
     // serving nodes; a deployment lacking P or D sends everything to replicas.
     let replica_share = if ps.is_empty() || ds.is_empty() {
@@ -842,36 +837,6 @@ pub fn run_grid(
         .map(|r| r.unwrap_or_else(|| Err(Error::Config("grid worker failed".into()))))
         .collect()
 }
-
-/// The paper's 17 configurations with the policy that realises each:
-/// `local` (D nodes stay x = 0 by role, pD nodes append-prefill) or `replica` for 4R.
-pub fn paper_configs() -> Vec<(&'static str, &'static str)> {
-    [
-        "1P_1D_2pD",
-        "1P_2D_1pD",
-        "1P_3D",
-        "1P_3pD",
-        "1R_1P_1D_1pD",
-        "1R_1P_2D",
-        "1R_1P_2pD",
-        "1R_2P_1D",
-        "1R_2P_1pD",
-        "2P_1D_1pD",
-        "2P_2D",
-        "2P_2pD",
-        "2R_1P_1D",
-        "2R_1P_1pD",
-        "3P_1D",
-        "3P_1pD",
-        "4R",
-    ]
-    .into_iter()
-    .map(|c| (c, if c == "4R" { "replica" } else { "local" }))
-    .collect()
-}
-
-/// The paper's QPS levels.
-pub const PAPER_QPS: [f64; 10] = [0.5, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 16.0, 20.0];
 
 #[cfg(test)]
 mod tests;

@@ -4,7 +4,7 @@
 //! With one transfer this is Equation 2 of the paper (B/β); with many, each
 //! gets β/n, so transfers queue and slow down under load as on a real link.
 
-use super::profile::LinkModel;
+use crate::profile::LinkModel;
 
 #[derive(Debug, Clone)]
 struct Transfer {

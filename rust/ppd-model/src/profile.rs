@@ -5,7 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::Error;
+use ppd_core::Error;
 
 /// Time of one engine step (one forward pass over the scheduled batch), in ms.
 ///

@@ -146,8 +146,6 @@ fn the_grid_runner_keeps_point_order() {
     let r = run_grid(&pts, &profile(), None, 2);
     let counts: Vec<u64> = r.iter().map(|x| x.as_ref().unwrap().turn1.count).collect();
     assert!(counts[0] < counts[1] && counts[1] < counts[2], "{counts:?}");
-    assert_eq!(paper_workload_names().len(), 18);
-    assert_eq!(paper_configs().len(), 17);
 }
 
 #[test]

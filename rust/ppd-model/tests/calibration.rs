@@ -7,7 +7,8 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use ppd_core::sim::{paper_workload_names, run_grid, SimConfig, SimResult};
+use ppd_core::catalog::paper_workload_names;
+use ppd_model::sim::{run_grid, SimConfig, SimResult};
 use serde_json::Value;
 
 fn repo() -> PathBuf {
@@ -87,7 +88,7 @@ fn committed_profile_stays_within_its_reported_error() {
         .collect();
     let reported = reg["median_abs_pct_error"].as_object().expect("errors");
     let m = measured(&sweep);
-    let profile = ppd_emulator::load_profile("default").expect("built-in profile");
+    let profile = ppd_model::load_profile("default").expect("built-in profile");
     let mut points = vec![];
     for config in reported.keys() {
         let policy = if config.contains('P') {

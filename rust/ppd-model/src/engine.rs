@@ -10,9 +10,9 @@ use std::sync::Arc;
 
 use ahash::AHashMap;
 
-use super::kv::{BlockPool, PoolStats};
-use super::link::Link;
-use super::profile::{BatchShape, Profile};
+use crate::kv::{BlockPool, PoolStats};
+use crate::link::Link;
+use crate::profile::{BatchShape, Profile};
 
 /// The tokens of a request: explicit token ids (prompt then the output it will
 /// generate), or a synthetic conversation whose token `i` depends only on
@@ -240,7 +240,7 @@ pub struct Engine {
     full_transfer: bool,
     /// P2pNccl-style push of a finished prefill's KV inside P's step, ms.
     push_ms: f64,
-    step_model: super::profile::StepModel,
+    step_model: crate::profile::StepModel,
     emit_tokens: bool,
     pool: BlockPool,
     link: Link,

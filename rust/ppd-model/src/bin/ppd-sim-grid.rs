@@ -7,8 +7,9 @@
 use std::io::Write;
 use std::time::Instant;
 
-use ppd_core::sim::{paper_configs, paper_workload_names, run_grid, SimConfig, PAPER_QPS};
-use ppd_emulator::load_profile;
+use ppd_core::catalog::{paper_configs, paper_workload_names, PAPER_QPS};
+use ppd_model::load_profile;
+use ppd_model::sim::{run_grid, SimConfig};
 
 fn fail(msg: &str) -> ! {
     eprintln!("ppd-sim-grid: {msg}");

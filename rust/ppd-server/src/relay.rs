@@ -1,0 +1,252 @@
+//! The answer the client sees: a node's stream relayed event by event, a whole JSON answer, or a node's error, with the route's headers.
+
+use axum::body::{Body, Bytes};
+use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE};
+use axum::http::{HeaderName, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use futures_util::{Stream, StreamExt};
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use ppd_core::Route;
+
+use crate::bookkeeping::{Counted, Ticket};
+use crate::error::openai_error;
+use crate::registry::{InflightGuard, Node};
+use crate::sse::{classify, EventKind, EventSplitter, Usage};
+use crate::upstream::read_all;
+
+/// Marks the answer as routed and says how: `x-ppd-path`, `x-ppd-reason`,
+/// `x-ppd-session`, `x-ppd-node`.
+pub(crate) fn route_headers(resp: &mut Response, route: &Route, conv: &str, node: &Node) {
+    resp.extensions_mut().insert(Counted);
+    // Names as constants: a `&str` name is parsed on every insert.
+    const PATH: HeaderName = HeaderName::from_static("x-ppd-path");
+    const REASON: HeaderName = HeaderName::from_static("x-ppd-reason");
+    const SESSION: HeaderName = HeaderName::from_static("x-ppd-session");
+    const NODE: HeaderName = HeaderName::from_static("x-ppd-node");
+    let h = resp.headers_mut();
+    h.insert(PATH, HeaderValue::from_static(route.path.as_str()));
+    h.insert(REASON, HeaderValue::from_static(route.reason.as_str()));
+    if let Ok(v) = HeaderValue::from_str(conv) {
+        h.insert(SESSION, v);
+    }
+    if let Some(v) = &node.url_header {
+        h.insert(NODE, v.clone());
+    }
+}
+
+/// An upstream error answer, passed on with its status; a body that is not
+/// JSON is wrapped in an OpenAI-style error.
+pub(crate) fn passthrough(status: StatusCode, bytes: Bytes) -> Response {
+    if serde_json::from_slice::<serde::de::IgnoredAny>(&bytes).is_ok() {
+        return (status, [("content-type", "application/json")], bytes).into_response();
+    }
+    let msg = String::from_utf8_lossy(&bytes).trim().to_owned();
+    let msg = if msg.is_empty() {
+        format!("upstream answered HTTP {status}")
+    } else {
+        msg
+    };
+    openai_error(status, msg, "upstream_error", "upstream_status")
+}
+
+/// A non-streamed answer, read whole; `None` when the node failed while
+/// sending it. The ticket is settled with the answer's usage.
+pub(crate) async fn whole(
+    ticket: Ticket,
+    resp: reqwest::Response,
+    inflight: InflightGuard,
+) -> Option<Response> {
+    let content_type = resp.headers().get(CONTENT_TYPE).cloned();
+    let bytes = read_all(&ticket.state, resp).await?;
+    #[derive(serde::Deserialize)]
+    struct WithUsage {
+        #[serde(default)]
+        usage: Option<Usage>,
+    }
+    let usage = serde_json::from_slice::<WithUsage>(&bytes)
+        .ok()
+        .and_then(|u| u.usage);
+    let end = Instant::now();
+    ticket.finish(usage, Some(end), end);
+    drop(inflight);
+    let mut r = Response::new(Body::from(bytes));
+    r.headers_mut().insert(
+        CONTENT_TYPE,
+        content_type.unwrap_or(HeaderValue::from_static("application/json")),
+    );
+    Some(r)
+}
+
+/// A streamed answer, relayed as it arrives (see [`Relay`]).
+pub(crate) fn streamed(
+    ticket: Ticket,
+    resp: reqwest::Response,
+    inflight: InflightGuard,
+    drop_usage: bool,
+) -> Response {
+    let idle = Duration::from_secs_f64(ticket.state.cfg.stream_idle_timeout);
+    let relay = Relay {
+        upstream: Box::pin(resp.bytes_stream()),
+        idle,
+        sleep: None,
+        splitter: EventSplitter::default(),
+        drop_usage,
+        usage: None,
+        first_token: None,
+        ticket: Some(ticket),
+        done: false,
+        _inflight: inflight,
+    };
+    let mut r = Response::new(Body::from_stream(relay));
+    r.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    r.headers_mut()
+        .insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    r
+}
+
+type ByteStream = Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>;
+
+/// Relays an upstream SSE stream event by event: the client gets the bytes vLLM
+/// sent, minus the usage chunk the router asked for itself; a failure mid-stream
+/// becomes an SSE error event and the end of the stream.
+struct Relay {
+    upstream: ByteStream,
+    idle: Duration,
+    sleep: Option<Pin<Box<tokio::time::Sleep>>>,
+    splitter: EventSplitter,
+    drop_usage: bool,
+    usage: Option<Usage>,
+    first_token: Option<Instant>,
+    ticket: Option<Ticket>,
+    done: bool,
+    _inflight: InflightGuard,
+}
+
+fn sse_error(message: &str) -> Bytes {
+    let body = serde_json::json!({"error": {"message": message, "type": "upstream_error", "param": null, "code": 502}});
+    Bytes::from(format!("data: {body}\n\n"))
+}
+
+impl Relay {
+    /// Events ready to send from what has been buffered (without a copy
+    /// unless the router's own usage chunk has to be cut out).
+    fn drain(&mut self) -> Option<Bytes> {
+        let Relay {
+            splitter,
+            drop_usage,
+            usage,
+            first_token,
+            ticket,
+            ..
+        } = self;
+        splitter.take_events(|ev| {
+            match classify(ev) {
+                EventKind::UsageOnly(u) => {
+                    *usage = Some(u);
+                    if *drop_usage {
+                        return false;
+                    }
+                }
+                EventKind::Data { usage: u } => {
+                    if first_token.is_none() {
+                        *first_token = Some(Instant::now());
+                    }
+                    if u.is_some() {
+                        *usage = u;
+                    }
+                }
+                EventKind::Error => {
+                    if let Some(t) = ticket.as_ref() {
+                        t.state.registry.record_failure(&t.d, t.state.now_ms());
+                    }
+                }
+                EventKind::Done | EventKind::Other => {}
+            }
+            true
+        })
+    }
+
+    fn fail(&mut self, message: &str, kind: &'static str) -> Bytes {
+        self.done = true;
+        if let Some(t) = self.ticket.take() {
+            t.fail(kind);
+        }
+        sse_error(message)
+    }
+}
+
+impl Stream for Relay {
+    type Item = Result<Bytes, std::io::Error>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = &mut *self;
+        if this.done {
+            return Poll::Ready(None);
+        }
+        loop {
+            match this.upstream.poll_next_unpin(cx) {
+                Poll::Ready(Some(Ok(chunk))) => {
+                    this.sleep = None;
+                    this.splitter.push(&chunk);
+                    if let Some(out) = this.drain() {
+                        return Poll::Ready(Some(Ok(out)));
+                    }
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    let msg = format!("upstream stream failed: {e}");
+                    return Poll::Ready(Some(Ok(this.fail(&msg, "stream"))));
+                }
+                Poll::Ready(None) => {
+                    this.done = true;
+                    let rest = this.splitter.take_rest();
+                    if let Some(t) = this.ticket.take() {
+                        t.finish(this.usage, this.first_token, Instant::now());
+                    }
+                    return Poll::Ready(rest.map(Ok));
+                }
+                Poll::Pending => {
+                    let idle = this.idle;
+                    let sleep = this
+                        .sleep
+                        .get_or_insert_with(|| Box::pin(tokio::time::sleep(idle)));
+                    if sleep.as_mut().poll(cx).is_ready() {
+                        let msg = format!("upstream sent nothing for {idle:?}");
+                        return Poll::Ready(Some(Ok(this.fail(&msg, "stream_idle"))));
+                    }
+                    return Poll::Pending;
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        // The client went away before the end: dropping the upstream stream
+        // closes its connection, which aborts the request on the node.
+        if let Some(t) = self.ticket.take() {
+            t.count(499);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn non_json_upstream_errors_are_wrapped() {
+        let r = passthrough(StatusCode::BAD_GATEWAY, Bytes::from_static(b"oops"));
+        assert_eq!(r.status(), StatusCode::BAD_GATEWAY);
+        let r = passthrough(
+            StatusCode::BAD_REQUEST,
+            Bytes::from_static(b"{\"error\":1}"),
+        );
+        assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    }
+}

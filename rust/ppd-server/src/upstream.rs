@@ -1,0 +1,148 @@
+//! Calls to the nodes: the endpoint URLs, the prefill call on P, and the request whose answer is relayed from D (or a pD or R).
+//!
+//! Each call is bounded by its stage's timeout and reports a failure as a
+//! typed result; what to do about it (retry, reroute, answer) is decided
+//! by the caller.
+
+use axum::body::Bytes;
+use axum::http::header::CONTENT_TYPE;
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::Response;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ppd_core::Role;
+
+use crate::bookkeeping::upstream_error;
+use crate::registry::{InflightGuard, Node};
+use crate::relay::passthrough;
+use crate::state::AppState;
+
+/// Which OpenAI endpoint a request came in on (and goes out to).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    // The discriminants index `Node::endpoint_urls`.
+    Chat = 0,
+    Completions = 1,
+}
+
+impl Endpoint {
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Completions => "/v1/completions",
+        }
+    }
+
+    /// A POST to this endpoint on `node`, from the URL the registry parsed once.
+    fn post(self, client: &reqwest::Client, node: &Node) -> reqwest::RequestBuilder {
+        match &node.endpoint_urls {
+            Some(urls) => client.post(urls[self as usize].clone()),
+            // Unparseable: the client reports why when the request is sent.
+            None => client.post(format!("{}{}", node.url, self.path())),
+        }
+    }
+}
+
+/// A prefill on P that did not succeed.
+pub(crate) enum PrefillError {
+    /// Nothing reached the client; another P may be tried.
+    Retryable(String),
+    /// P answered with a client error: pass it on.
+    Answer(Response),
+}
+
+/// Runs a prefill on `p` and returns its answer's bytes (a 2xx).
+pub(crate) async fn prefill(
+    st: &AppState,
+    endpoint: Endpoint,
+    p: &Arc<Node>,
+    body: Bytes,
+    request_id: &str,
+) -> Result<Bytes, PrefillError> {
+    let _inflight = InflightGuard::new(Arc::clone(p));
+    let send = endpoint
+        .post(st.client(), p)
+        .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
+        .header("x-request-id", request_id)
+        .body(body)
+        .send();
+    let timeout = Duration::from_secs_f64(st.cfg.prefill_timeout);
+    let failed = |kind: &'static str, why: String| {
+        upstream_error(st, Role::P, kind);
+        PrefillError::Retryable(why)
+    };
+    let resp = match tokio::time::timeout(timeout, send).await {
+        Err(_) => return Err(failed("timeout", format!("no answer within {timeout:?}"))),
+        Ok(Err(e)) => return Err(failed("connect", e.to_string())),
+        Ok(Ok(r)) => r,
+    };
+    let status = resp.status();
+    let bytes = match tokio::time::timeout(timeout, resp.bytes()).await {
+        Ok(Ok(b)) => b,
+        Ok(Err(e)) => return Err(failed("body", e.to_string())),
+        Err(_) => return Err(failed("timeout", "prefill body timed out".into())),
+    };
+    if status.is_server_error() {
+        return Err(failed("status_5xx", format!("HTTP {status}")));
+    }
+    if !status.is_success() {
+        return Err(PrefillError::Answer(passthrough(status, bytes)));
+    }
+    Ok(bytes)
+}
+
+/// Why a call to the decoding node got no answer.
+pub(crate) enum SendError {
+    Timeout(Duration),
+    /// The connection failed; `refused` when nothing was sent at all.
+    Connect {
+        message: String,
+        refused: bool,
+    },
+}
+
+/// Sends `body` to the decoding node `d` and returns its answer's head
+/// (the body is read, or relayed, by the caller).
+pub(crate) async fn send(
+    st: &AppState,
+    endpoint: Endpoint,
+    d: &Node,
+    body: Bytes,
+    request_id: Option<&str>,
+) -> Result<reqwest::Response, SendError> {
+    let mut req = endpoint
+        .post(st.client(), d)
+        .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
+        .body(body);
+    if let Some(rid) = request_id {
+        req = req.header("x-request-id", rid);
+    }
+    let timeout = Duration::from_secs_f64(st.cfg.request_timeout);
+    match tokio::time::timeout(timeout, req.send()).await {
+        Err(_) => Err(SendError::Timeout(timeout)),
+        Ok(Err(e)) => Err(SendError::Connect {
+            refused: e.is_connect(),
+            message: e.to_string(),
+        }),
+        Ok(Ok(r)) => Ok(r),
+    }
+}
+
+/// The whole body of an answer, within the request timeout.
+pub(crate) async fn read_all(st: &AppState, resp: reqwest::Response) -> Option<Bytes> {
+    let timeout = Duration::from_secs_f64(st.cfg.request_timeout);
+    tokio::time::timeout(timeout, resp.bytes())
+        .await
+        .ok()
+        .and_then(Result::ok)
+}
+
+/// A node's error answer, passed on with its status.
+pub(crate) async fn error_answer(
+    st: &AppState,
+    status: StatusCode,
+    resp: reqwest::Response,
+) -> Response {
+    passthrough(status, read_all(st, resp).await.unwrap_or_default())
+}
