@@ -2,6 +2,8 @@
 
 The decision engine, session table and lookup grid live in the Rust core
 (``ppd_router._core``); this package re-exports them and adds the CLI.
+Every exception the package raises derives from :class:`PpdError`
+(see :mod:`ppd_router.errors`).
 """
 
 from ppd_router._core import (
@@ -23,21 +25,43 @@ from ppd_router._core import (
     identify,
     validate_router_config,
 )
+from ppd_router.errors import (
+    DatasetNotFoundError,
+    LaunchError,
+    MissingDependencyError,
+    ModelDirExistsError,
+    RecoveryError,
+    RegistrationError,
+    ReportError,
+    TargetError,
+    UnknownNodeError,
+    WorkloadError,
+)
 
 __all__ = [
     "PATHS",
     "REASONS",
     "BadRequest",
     "ConfigError",
+    "DatasetNotFoundError",
     "DecisionEngine",
+    "LaunchError",
+    "MissingDependencyError",
+    "ModelDirExistsError",
     "PpdError",
     "QpsEstimator",
+    "RecoveryError",
+    "RegistrationError",
+    "ReportError",
     "Route",
     "Router",
     "SessionTable",
     "Table",
     "TableError",
+    "TargetError",
     "TokenCounter",
+    "UnknownNodeError",
+    "WorkloadError",
     "__version__",
     "count_tokens",
     "identify",

@@ -1,6 +1,7 @@
 """Type stubs of the Rust extension ``ppd_router._core``."""
 
 from os import PathLike
+from types import TracebackType
 from typing import Any, Literal, Optional, TypedDict, Union
 
 __version__: str
@@ -181,3 +182,70 @@ class Router:
 
 def validate_router_config(config_json: str) -> str:
     """The settings with defaults filled in, as JSON; raises ConfigError naming the bad field."""
+
+# --- engine emulator and virtual-time simulator (rust/ppd-py/src/emulator.rs) ---
+
+def run_emulator(
+    role: str = "R",
+    port: int = 8000,
+    *,
+    host: str = "127.0.0.1",
+    profile: Optional[str] = None,
+    kv_link_gbps: Optional[float] = None,
+    max_num_seqs: Optional[int] = None,
+    max_num_batched_tokens: Optional[int] = None,
+    kv_blocks: Optional[int] = None,
+    seed: int = 0,
+    served_model_name: Optional[str] = None,
+    fault_latency_ms: float = 0.0,
+    fault_error_rate: float = 0.0,
+    fault_hang: bool = False,
+) -> None:
+    """Runs one emulator node until SIGINT/SIGTERM (returns None) or a failure (raises)."""
+
+class EmulatedCluster:
+    """Emulator nodes running in this process on free 127.0.0.1 ports."""
+    @property
+    def urls(self) -> list[str]: ...
+    @property
+    def roles(self) -> list[str]:
+        """Layout roles in order: "P", "D", "pD" or "R"."""
+    def shutdown(self) -> None:
+        """Stops every node (graceful) and joins their runtime; idempotent."""
+    def __enter__(self) -> EmulatedCluster: ...
+    def __exit__(
+        self,
+        exc_type: Optional[type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+        /,
+    ) -> Literal[False]: ...
+
+def start_emulated_cluster(
+    layout: str,
+    *,
+    profile: Optional[str] = None,
+    kv_link_gbps: Optional[float] = None,
+    max_num_seqs: Optional[int] = None,
+    max_num_batched_tokens: Optional[int] = None,
+    kv_blocks: Optional[int] = None,
+    seed: int = 0,
+    served_model_name: Optional[str] = None,
+) -> EmulatedCluster:
+    """Starts the nodes of ``layout`` (e.g. "2P2pD", "1P_1D_2pD", "4R") in this process."""
+
+def parse_layout(layout: str) -> list[str]:
+    """The roles of a layout, e.g. ``parse_layout("1P_1D_2pD") == ["P", "D", "pD", "pD"]``."""
+
+def load_profile(name_or_path: str) -> str:
+    """A profile (built-in name or TOML path) as JSON."""
+
+def simulate(config_json: str, profile: Optional[str] = None, table: Optional[str] = None) -> str:
+    """Runs one simulated point; ``config_json`` holds SimConfig's fields, the result is JSON.
+
+    ``table`` is a path or ``builtin:h100-2P2pD`` (default for ``ppd``: nearest P:D ratio);
+    the result names the table used in ``table``.
+    """
+
+def simulator_catalog() -> tuple[list[str], list[str], list[float]]:
+    """Names the simulator knows: the paper's workloads, configurations and QPS levels."""

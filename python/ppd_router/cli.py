@@ -5,12 +5,23 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 from ppd_router import PpdError, __version__
 
 # Modules under ppd_router that provide ``register(subparsers)``.
-COMMANDS = ["table_cli", "serve", "bench.command", "bench.build_table", "emulate", "simulate", "launch", "tinymodel", "report"]
+COMMANDS = [
+    "table_cli",
+    "serve",
+    "bench.command",
+    "bench.build_table",
+    "emulate",
+    "simulate",
+    "launch",
+    "tinymodel",
+    "report",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

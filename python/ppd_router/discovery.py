@@ -18,14 +18,11 @@ import msgpack
 import zmq
 
 from ppd_router._core import Router
+from ppd_router.errors import RegistrationError
 
 log = logging.getLogger("ppd_router.discovery")
 
 ROLES = {"P": "P", "D": "D", "pD": "pD", "PD": "pD", "R": "R"}
-
-
-class RegistrationError(ValueError):
-    pass
 
 
 def parse_registration(payload: bytes) -> dict[str, Any]:
@@ -58,7 +55,7 @@ class Discovery:
     def __init__(self, router: Router, address: str) -> None:
         self.router = router
         self.address = address
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(address)

@@ -61,11 +61,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         "/health, /metrics with vLLM's names, and the NIXL kv_transfer_params exchange. "
         "Faults can also be set at run time: POST /admin/faults {latency_ms, error_rate, hang, crash}.",
     )
-    p.add_argument("--role", default="R", choices=["P", "D", "pD", "R"], help="node role (pD = D; every node serves plain requests)")
+    p.add_argument(
+        "--role",
+        default="R",
+        choices=["P", "D", "pD", "R"],
+        help="node role (pD = D; every node serves plain requests)",
+    )
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--layout", help="instead of one node, start a deployment in-process, e.g. 2P2pD, 1P_1D_2pD, 4R")
-    p.add_argument("--profile", help="engine profile: built-in name (h100-llama3.1-8b, as measured with P2pNccl; h100-llama3.1-8b-nixl) or TOML path")
+    p.add_argument(
+        "--profile",
+        help="engine profile: built-in name (h100-llama3.1-8b, as measured with P2pNccl; "
+        "h100-llama3.1-8b-nixl) or TOML path",
+    )
     p.add_argument("--kv-link-gbps", type=float, help="KV link bandwidth in GB/s (profile default)")
     p.add_argument("--max-num-seqs", type=int, help="running batch limit (profile default 256)")
     p.add_argument("--max-num-batched-tokens", type=int, help="token budget per step (profile default 8192)")

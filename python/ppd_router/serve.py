@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tomllib
+import tomllib  # type: ignore[import-not-found]  # stdlib from 3.11; mypy checks as 3.10
 from pathlib import Path
 from typing import Any, Optional
 
@@ -21,7 +21,11 @@ _LISTS = {
 }
 _SCALARS: dict[str, tuple[type, str]] = {
     "emulated": (str, "start an emulated cluster of this layout in-process, e.g. 2P2pD, 1P_1D_2pD, 4R"),
-    "emulator_profile": (str, "emulator profile (with --emulated): h100-llama3.1-8b (default, as measured with P2pNccl), h100-llama3.1-8b-nixl, or a TOML path"),
+    "emulator_profile": (
+        str,
+        "emulator profile (with --emulated): h100-llama3.1-8b (default, as measured with P2pNccl), "
+        "h100-llama3.1-8b-nixl, or a TOML path",
+    ),
     "policy": (str, "ppd | pd | local | fraction:X | replica (default ppd)"),
     "table": (str, "lookup table path or builtin:h100-1P3pD|h100-2P2pD|h100-3P1pD (default: by P:D ratio)"),
     "w_ttft": (float, "weight of the TTFT gain in Equation 1 (default 1)"),
@@ -114,8 +118,12 @@ def add_settings_flags(p: argparse.ArgumentParser, node_lists: bool = True) -> N
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the router (OpenAI-compatible endpoint over P / D / pD / R nodes)")
     add_settings_flags(p)
-    p.add_argument("--discovery", metavar="tcp://HOST:PORT", default=None,
-                   help="also accept node registrations over ZMQ (vLLM P2pNccl format) on this address")
+    p.add_argument(
+        "--discovery",
+        metavar="tcp://HOST:PORT",
+        default=None,
+        help="also accept node registrations over ZMQ (vLLM P2pNccl format) on this address",
+    )
     p.add_argument("--print-config", action="store_true", help="print the validated settings as JSON and exit")
     p.set_defaults(func=_serve)
 

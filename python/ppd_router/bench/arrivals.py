@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import random
 
+from ppd_router.errors import ConfigError
+
 
 def poisson_arrivals(qps: float, duration: float, seed: int = 0) -> list[float]:
     """Arrival times in [0, duration) of a Poisson process with rate ``qps`` per second.
@@ -15,9 +17,9 @@ def poisson_arrivals(qps: float, duration: float, seed: int = 0) -> list[float]:
     Gaps are exponential with mean 1/qps; the first arrival is one gap after 0.
     """
     if not qps > 0:
-        raise ValueError(f"qps must be positive, got {qps}")
+        raise ConfigError(f"qps must be positive, got {qps}")
     if not duration > 0:
-        raise ValueError(f"duration must be positive, got {duration}")
+        raise ConfigError(f"duration must be positive, got {duration}")
     rng = random.Random(f"arrivals:{seed}")
     times: list[float] = []
     t = rng.expovariate(qps)

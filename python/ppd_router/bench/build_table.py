@@ -25,14 +25,16 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import orjson
 
 from ppd_router import Table
-from ppd_router.bench.client import BenchConfig, TargetError, chat_url, run
+from ppd_router.bench.client import BenchConfig, chat_url, run
 from ppd_router.bench.workloads import T2_SETTINGS, SyntheticWorkload
+from ppd_router.errors import TargetError
 
 CONTEXT_TO_T1 = {"small": "small", "large": "large"}
 DEFAULT_QPS = (0.5, 1, 2, 4, 6, 8, 10, 12, 16, 20)
@@ -96,15 +98,18 @@ def table_doc(
         "source": meta.get("source") or "measured",
         "created": meta.get("created") or "",
         "default_n_out": 128,
-        "provenance": {"builder": f"ppd-router build-table --backend {meta.get('backend', 'live')}",
-                       "skipped_points": skipped,
-                       **{k: v for k, v in meta.items() if k not in ("model", "hardware",
-                                                                       "deployment", "created",
-                                                                       "source", "backend")}},
+        "provenance": {
+            "builder": f"ppd-router build-table --backend {meta.get('backend', 'live')}",
+            "skipped_points": skipped,
+            **{
+                k: v
+                for k, v in meta.items()
+                if k not in ("model", "hardware", "deployment", "created", "source", "backend")
+            },
+        },
         "axes": {
             "context_bins": CONTEXT_BINS,
-            "workloads": [{"name": w, "n_in": T2_SETTINGS[w][0], "n_out": T2_SETTINGS[w][1]}
-                          for w in workloads],
+            "workloads": [{"name": w, "n_in": T2_SETTINGS[w][0], "n_out": T2_SETTINGS[w][1]} for w in workloads],
             "qps": sorted(qps),
         },
         "cells": cells,
@@ -120,8 +125,7 @@ def _csv_list(kind: Callable[[str], Any], allowed: Optional[set[str]] = None) ->
         if allowed is not None:
             bad = [x for x in items if x not in allowed]
             if bad:
-                raise argparse.ArgumentTypeError(
-                    f"unknown {', '.join(bad)}; choose from {', '.join(sorted(allowed))}")
+                raise argparse.ArgumentTypeError(f"unknown {', '.join(bad)}; choose from {', '.join(sorted(allowed))}")
         try:
             out = [kind(x) for x in items]
         except ValueError:
@@ -129,6 +133,7 @@ def _csv_list(kind: Callable[[str], Any], allowed: Optional[set[str]] = None) ->
         if kind is float and any(not v > 0 for v in out):
             raise argparse.ArgumentTypeError("QPS levels must be positive")
         return out
+
     parse.__name__ = "list"
     return parse
 
@@ -140,31 +145,48 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Run each grid cell's workload at x=0 and x=1 and write the measured "
         "Turn-2 TTFT/TPOT per cell as a ppd-table/1 file; resumable.",
     )
-    p.add_argument("--backend", choices=["live", "simulate"], default="live",
-                   help="live: real HTTP endpoints --x0/--x1 (default); simulate: the virtual-time "
-                   "simulator on --deployment (policy pd for x=0, local for x=1)")
-    p.add_argument("--x0", metavar="URL",
-                   help="live: endpoint serving Turn 2+ through P (e.g. a router with policy pd)")
-    p.add_argument("--x1", metavar="URL",
-                   help="live: endpoint serving Turn 2+ locally (e.g. a router with policy local)")
-    p.add_argument("--profile", default=None,
-                   help="simulate: engine profile name or TOML path (default: built-in H100)")
+    p.add_argument(
+        "--backend",
+        choices=["live", "simulate"],
+        default="live",
+        help="live: real HTTP endpoints --x0/--x1 (default); simulate: the virtual-time "
+        "simulator on --deployment (policy pd for x=0, local for x=1)",
+    )
+    p.add_argument(
+        "--x0", metavar="URL", help="live: endpoint serving Turn 2+ through P (e.g. a router with policy pd)"
+    )
+    p.add_argument(
+        "--x1", metavar="URL", help="live: endpoint serving Turn 2+ locally (e.g. a router with policy local)"
+    )
+    p.add_argument(
+        "--profile", default=None, help="simulate: engine profile name or TOML path (default: built-in H100)"
+    )
     p.add_argument("--out", type=Path, required=True, help="ppd-table/1 file to write")
-    p.add_argument("--log", type=Path, default=None,
-                   help="measurement log for resuming (default OUT.runs.jsonl)")
-    p.add_argument("--contexts", type=_csv_list(str, set(CONTEXT_TO_T1)),
-                   default=list(CONTEXT_TO_T1), help="context classes (default small,large)")
-    p.add_argument("--workloads", type=_csv_list(str, set(T2_SETTINGS)),
-                   default=list(T2_SETTINGS), help="Turn-2 workload types (default: all nine)")
-    p.add_argument("--qps", type=_csv_list(float), default=list(DEFAULT_QPS),
-                   help="QPS levels (default the paper's ten)")
+    p.add_argument("--log", type=Path, default=None, help="measurement log for resuming (default OUT.runs.jsonl)")
+    p.add_argument(
+        "--contexts",
+        type=_csv_list(str, set(CONTEXT_TO_T1)),
+        default=list(CONTEXT_TO_T1),
+        help="context classes (default small,large)",
+    )
+    p.add_argument(
+        "--workloads",
+        type=_csv_list(str, set(T2_SETTINGS)),
+        default=list(T2_SETTINGS),
+        help="Turn-2 workload types (default: all nine)",
+    )
+    p.add_argument(
+        "--qps", type=_csv_list(float), default=list(DEFAULT_QPS), help="QPS levels (default the paper's ten)"
+    )
     p.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals per run")
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None)
-    p.add_argument("--deployment", default="",
-                   help="e.g. 2P2pD (descriptive for live; the simulated layout for simulate, "
-                   "which needs P and pD nodes)")
+    p.add_argument(
+        "--deployment",
+        default="",
+        help="e.g. 2P2pD (descriptive for live; the simulated layout for simulate, which needs P and pD nodes)",
+    )
     p.add_argument("--hardware", default="", help="descriptive")
     p.add_argument("--quiet", action="store_true", help="no per-run line on stderr")
     p.set_defaults(func=run_command)
@@ -186,8 +208,10 @@ def _simulated_layout(deployment: str) -> str:
     except ValueError as e:
         return str(e)
     if "P" not in roles or "pD" not in roles or "D" in roles or "R" in roles:
-        return (f"--deployment {deployment}: the simulated build needs P and pD nodes only "
-                "(x=0 is its pd path, x=1 its local path), e.g. 2P2pD")
+        return (
+            f"--deployment {deployment}: the simulated build needs P and pD nodes only "
+            "(x=0 is its pd path, x=1 its local path), e.g. 2P2pD"
+        )
     return ""
 
 
@@ -195,9 +219,16 @@ def _measure_simulated(args: argparse.Namespace, ctx: str, wl: str, q: float, x:
     """One simulated run, as a summary with the keys the live path reads."""
     from ppd_router.simulate import simulate_point
 
-    r = simulate_point(deployment=args.deployment, policy="pd" if x == 0 else "local",
-                       workload=f"{CONTEXT_TO_T1[ctx]}_{wl}", qps=q, duration=args.duration,
-                       seed=args.seed, timeout=args.timeout, profile=args.profile)
+    r = simulate_point(
+        deployment=args.deployment,
+        policy="pd" if x == 0 else "local",
+        workload=f"{CONTEXT_TO_T1[ctx]}_{wl}",
+        qps=q,
+        duration=args.duration,
+        seed=args.seed,
+        timeout=args.timeout,
+        profile=args.profile,
+    )
     fails = r["failed_requests"]
     return {**r, "failures": {"timeout": fails} if fails else {}}
 
@@ -218,61 +249,87 @@ def run_command(args: argparse.Namespace) -> int:
         except TargetError as e:
             return _fail(str(e))
     if not args.duration > 0 or not args.timeout > 0:
-        print("ppd-router build-table: error: --duration and --timeout must be positive",
-              file=sys.stderr)
+        print("ppd-router build-table: error: --duration and --timeout must be positive", file=sys.stderr)
         return 2
     log = args.log or args.out.with_name(args.out.name + ".runs.jsonl")
     measured = load_log(log)
     todo = [k for k in grid(args.contexts, args.workloads, args.qps) if k not in measured]
-    meta = {"model": args.model, "hardware": args.hardware, "deployment": args.deployment,
-            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "x0_target": urls[0], "x1_target": urls[1], "duration_s": args.duration,
-            "timeout_s": args.timeout, "seed": args.seed, "backend": args.backend,
-            "source": "simulated" if simulated else "measured"}
+    meta = {
+        "model": args.model,
+        "hardware": args.hardware,
+        "deployment": args.deployment,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "x0_target": urls[0],
+        "x1_target": urls[1],
+        "duration_s": args.duration,
+        "timeout_s": args.timeout,
+        "seed": args.seed,
+        "backend": args.backend,
+        "source": "simulated" if simulated else "measured",
+    }
     if simulated:
         meta["profile"] = args.profile or "default"
     if not args.quiet:
-        print(f"build-table: {len(todo)} runs to do, {len(measured)} already in {log}",
-              file=sys.stderr)
+        print(f"build-table: {len(todo)} runs to do, {len(measured)} already in {log}", file=sys.stderr)
     for i, (ctx, wl, q, x) in enumerate(todo, 1):
         try:
             if simulated:
                 summary = _measure_simulated(args, ctx, wl, q, x)
             else:
                 workload = SyntheticWorkload(CONTEXT_TO_T1[ctx], wl, turns=2, seed=args.seed)
-                cfg = BenchConfig(target=urls[x], workload=workload, qps=q,
-                                  duration=args.duration, timeout=args.timeout, seed=args.seed,
-                                  model=args.model)
+                cfg = BenchConfig(
+                    target=urls[x],
+                    workload=workload,
+                    qps=q,
+                    duration=args.duration,
+                    timeout=args.timeout,
+                    seed=args.seed,
+                    model=args.model,
+                )
                 summary = run(cfg).summary
         except TargetError as e:
             return _fail(str(e))
         m = cell_measurement(summary)
-        entry = {"context": ctx, "workload": wl, "qps": q, "x": x, "measurement": m,
-                 "success_rate": summary["success_rate"], "failures": summary["failures"]}
+        entry = {
+            "context": ctx,
+            "workload": wl,
+            "qps": q,
+            "x": x,
+            "measurement": m,
+            "success_rate": summary["success_rate"],
+            "failures": summary["failures"],
+        }
         with open(log, "ab") as f:  # append first: the log is what resuming trusts
             f.write(orjson.dumps(entry) + b"\n")
         measured[(ctx, wl, q, x)] = m
         if not args.quiet:
-            shown = ("no conversation arrived: raise --duration" if not summary["total_requests"]
-                     else "no Turn-2 success") if m is None else \
-                f"TTFT {m['ttft_ms']:.1f} ms TPOT {m['tpot_ms']:.2f} ms n={m['n']}"
+            shown = (
+                ("no conversation arrived: raise --duration" if not summary["total_requests"] else "no Turn-2 success")
+                if m is None
+                else f"TTFT {m['ttft_ms']:.1f} ms TPOT {m['tpot_ms']:.2f} ms n={m['n']}"
+            )
             print(f"[{i}/{len(todo)}] {ctx}/{wl} qps={q:g} x={x}: {shown}", file=sys.stderr)
         if all((ctx, wl, q, other) in measured for other in (0, 1)):
             _write_table(args.out, measured, args.workloads, args.qps, meta)
     doc = _write_table(args.out, measured, args.workloads, args.qps, meta)
     if doc is None:
-        print("ppd-router build-table: error: no cell has Turn-2 measurements on both paths",
-              file=sys.stderr)
+        print("ppd-router build-table: error: no cell has Turn-2 measurements on both paths", file=sys.stderr)
         return 1
     if not args.quiet:
-        print(f"{args.out}: {len(doc['cells'])} cells, "
-              f"{len(doc['provenance']['skipped_points'])} skipped", file=sys.stderr)
+        print(
+            f"{args.out}: {len(doc['cells'])} cells, {len(doc['provenance']['skipped_points'])} skipped",
+            file=sys.stderr,
+        )
     return 0
 
 
-def _write_table(out: Path, measured: dict[Key, Optional[dict[str, Any]]],
-                 workloads: list[str], qps: list[float],
-                 meta: dict[str, Any]) -> Optional[dict[str, Any]]:
+def _write_table(
+    out: Path,
+    measured: dict[Key, Optional[dict[str, Any]]],
+    workloads: list[str],
+    qps: list[float],
+    meta: dict[str, Any],
+) -> Optional[dict[str, Any]]:
     doc, _ = table_doc(measured, workloads, qps, meta)
     if not doc["cells"]:
         return None  # a ppd-table/1 file needs at least one cell

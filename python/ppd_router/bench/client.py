@@ -19,8 +19,9 @@ from __future__ import annotations
 import asyncio
 import resource
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Optional
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
@@ -30,12 +31,9 @@ from ppd_router import count_tokens
 from ppd_router.bench.arrivals import poisson_arrivals
 from ppd_router.bench.metrics import NOT_SENT, RequestRecord, percentile, summarize
 from ppd_router.bench.workloads import Conversation, Workload
+from ppd_router.errors import ConfigError, TargetError
 
 CHAT_PATH = "/v1/chat/completions"
-
-
-class TargetError(ValueError):
-    """The target URL is unusable or the endpoint cannot be reached at all."""
 
 
 def chat_url(target: str) -> str:
@@ -79,9 +77,9 @@ class BenchConfig:
     def validate(self) -> None:
         for name, v in (("qps", self.qps), ("duration", self.duration), ("timeout", self.timeout)):
             if not v > 0:
-                raise ValueError(f"--{name} must be positive, got {v:g}")
+                raise ConfigError(f"--{name} must be positive, got {v:g}")
         if self.think_time < 0:
-            raise ValueError(f"--think-time must be >= 0, got {self.think_time:g}")
+            raise ConfigError(f"--think-time must be >= 0, got {self.think_time:g}")
         chat_url(self.target)
 
 
@@ -157,20 +155,27 @@ def parse_event(data: bytes, st: _Stream, now: float) -> None:
 
 
 def request_body(model: str, messages: list[dict[str, str]], n_out: int) -> bytes:
-    return orjson.dumps({
-        "model": model,
-        "messages": messages,
-        "max_tokens": n_out,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        # vLLM's extension: generate exactly max_tokens, so outputs match the workload.
-        "ignore_eos": True,
-    })
+    return orjson.dumps(
+        {
+            "model": model,
+            "messages": messages,
+            "max_tokens": n_out,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            # vLLM's extension: generate exactly max_tokens, so outputs match the workload.
+            "ignore_eos": True,
+        }
+    )
 
 
 async def _stream_once(
-    http: aiohttp.ClientSession, url: str, headers: dict[str, str], body: bytes,
-    rec: RequestRecord, state: RunState, t_start: float,
+    http: aiohttp.ClientSession,
+    url: str,
+    headers: dict[str, str],
+    body: bytes,
+    rec: RequestRecord,
+    state: RunState,
+    t_start: float,
 ) -> _Stream:
     st = _Stream()
     async with http.post(url, data=body, headers=headers) as resp:
@@ -207,8 +212,14 @@ async def _stream_once(
 
 
 async def run_request(
-    http: aiohttp.ClientSession, cfg: BenchConfig, model: str, url: str,
-    messages: list[dict[str, str]], n_out: int, conv_id: str, rec: RequestRecord,
+    http: aiohttp.ClientSession,
+    cfg: BenchConfig,
+    model: str,
+    url: str,
+    messages: list[dict[str, str]],
+    n_out: int,
+    conv_id: str,
+    rec: RequestRecord,
     state: RunState,
 ) -> Optional[str]:
     """Send one turn, fill ``rec`` and return the streamed answer (None on failure)."""
@@ -223,9 +234,7 @@ async def run_request(
     state.in_flight += 1
     state.peak_in_flight = max(state.peak_in_flight, state.in_flight)
     try:
-        st = await asyncio.wait_for(
-            _stream_once(http, url, headers, body, rec, state, t_start), cfg.timeout
-        )
+        st = await asyncio.wait_for(_stream_once(http, url, headers, body, rec, state, t_start), cfg.timeout)
     except asyncio.TimeoutError:
         rec.reason = "timeout"
         return None
@@ -246,15 +255,19 @@ async def run_request(
     rec.prompt_tokens = st.prompt_tokens
     rec.usage_reported = st.completion_tokens is not None
     # Without a usage chunk, fall back to the emulator's word rule on the text.
-    rec.completion_tokens = st.completion_tokens if st.completion_tokens is not None \
-        else count_tokens(text)
+    rec.completion_tokens = st.completion_tokens if st.completion_tokens is not None else count_tokens(text)
     rec.ok = True
     return text
 
 
 async def run_conversation(
-    http: aiohttp.ClientSession, cfg: BenchConfig, model: str, url: str,
-    conv: Conversation, index: int, state: RunState,
+    http: aiohttp.ClientSession,
+    cfg: BenchConfig,
+    model: str,
+    url: str,
+    conv: Conversation,
+    index: int,
+    state: RunState,
 ) -> None:
     messages: list[dict[str, str]] = []
     if conv.system is not None:
@@ -266,8 +279,7 @@ async def run_conversation(
             messages.append({"role": "user", "content": turn.text})
             rec = RequestRecord(conversation=index, turn=k + 1)
             state.records.append(rec)
-            answer = await run_request(http, cfg, model, url, messages, turn.n_out, conv.id,
-                                       rec, state)
+            answer = await run_request(http, cfg, model, url, messages, turn.n_out, conv.id, rec, state)
             if answer is None:
                 for j in range(k + 1, len(conv.turns)):
                     state.records.append(RequestRecord(index, j + 1, reason=NOT_SENT))
@@ -281,8 +293,9 @@ async def discover_model(http: aiohttp.ClientSession, url: str, cfg: BenchConfig
     """The first model id served at ``/v1/models``; fails clearly when unreachable."""
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     try:
-        async with http.get(models_url(url), headers=headers,
-                            timeout=aiohttp.ClientTimeout(total=min(cfg.timeout, 10))) as r:
+        async with http.get(
+            models_url(url), headers=headers, timeout=aiohttp.ClientTimeout(total=min(cfg.timeout, 10))
+        ) as r:
             if r.status != 200:
                 raise TargetError(f"{models_url(url)} answered HTTP {r.status}; give --model")
             data = orjson.loads(await r.read())
@@ -309,8 +322,7 @@ def _raise_fd_limit() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY
-                                                        else 65536, hard))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 65536, hard))
         except (ValueError, OSError):
             pass
 
@@ -329,8 +341,9 @@ async def run_bench(
     _raise_fd_limit()
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(None),
-                                     auto_decompress=False) as http:
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(None), auto_decompress=False
+    ) as http:
         model = cfg.model or await discover_model(http, url, cfg)
         ui = asyncio.ensure_future(on_start(state)) if on_start else None
         probe = asyncio.ensure_future(_probe_loop_lag(state))
@@ -343,8 +356,7 @@ async def run_bench(
             state.arrival_lag.append(max(0.0, (time.perf_counter() - state.t0) - at))
             state.arrived += 1
             conv = cfg.workload.conversation(i)
-            tasks.append(asyncio.ensure_future(
-                run_conversation(http, cfg, model, url, conv, i, state)))
+            tasks.append(asyncio.ensure_future(run_conversation(http, cfg, model, url, conv, i, state)))
         if tasks:
             await asyncio.gather(*tasks)
         duration = time.perf_counter() - state.t0
@@ -364,9 +376,15 @@ async def run_bench(
         "loop_lag_p99_ms": None if loop99 is None else loop99 * 1000.0,
     }
     summary["run"] = {
-        "target": url, "model": model, "qps": cfg.qps, "duration": cfg.duration,
-        "timeout": cfg.timeout, "seed": cfg.seed, "think_time": cfg.think_time,
-        "conversations": len(arrivals), **cfg.workload.info(),
+        "target": url,
+        "model": model,
+        "qps": cfg.qps,
+        "duration": cfg.duration,
+        "timeout": cfg.timeout,
+        "seed": cfg.seed,
+        "think_time": cfg.think_time,
+        "conversations": len(arrivals),
+        **cfg.workload.info(),
     }
     return BenchResult(state.records, duration, summary)
 

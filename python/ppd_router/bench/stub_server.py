@@ -17,8 +17,9 @@ import argparse
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import orjson
 from aiohttp import web
@@ -36,7 +37,7 @@ def user_turn(body: dict[str, Any]) -> int:
     return sum(1 for m in msgs if isinstance(m, dict) and m.get("role") == "user")
 
 
-def default_path(body: dict[str, Any], request: "web.Request") -> Optional[str]:
+def default_path(body: dict[str, Any], request: web.Request) -> Optional[str]:
     return "pd" if user_turn(body) <= 1 else "local"
 
 
@@ -70,10 +71,10 @@ def _chunk(obj: dict[str, Any]) -> bytes:
 
 def make_app(cfg: StubConfig) -> web.Application:
     base = {"id": "chatcmpl-stub", "object": "chat.completion.chunk", "model": cfg.model}
-    role = _chunk({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                        "finish_reason": None}]})
-    token = _chunk({**base, "choices": [{"index": 0, "delta": {"content": _TOKEN},
-                                         "finish_reason": None}]})
+    role = _chunk(
+        {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+    )
+    token = _chunk({**base, "choices": [{"index": 0, "delta": {"content": _TOKEN}, "finish_reason": None}]})
     finish = _chunk({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
 
     async def models(request: web.Request) -> web.Response:
@@ -87,8 +88,7 @@ def make_app(cfg: StubConfig) -> web.Application:
             cfg.seen.append(SeenRequest(dict(request.headers), body, what, path))
         headers = {"x-ppd-path": path} if path else {}
         if what.startswith("http_"):
-            return web.json_response({"error": {"message": "injected failure"}},
-                                     status=int(what[5:]), headers=headers)
+            return web.json_response({"error": {"message": "injected failure"}}, status=int(what[5:]), headers=headers)
         n = int(body.get("max_tokens") or 16)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **headers})
         await resp.prepare(request)
@@ -111,9 +111,15 @@ def make_app(cfg: StubConfig) -> web.Application:
         await resp.write(finish)
         n_prompt = sum(len(str(m.get("content", "")).split()) for m in body.get("messages", ()))
         if (body.get("stream_options") or {}).get("include_usage") and what != "no_usage":
-            await resp.write(_chunk({**base, "choices": [], "usage": {
-                "prompt_tokens": n_prompt, "completion_tokens": n,
-                "total_tokens": n_prompt + n}}))
+            await resp.write(
+                _chunk(
+                    {
+                        **base,
+                        "choices": [],
+                        "usage": {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n},
+                    }
+                )
+            )
         if what != "no_done":
             await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
@@ -146,8 +152,9 @@ class StubServer:
 
     async def _start(self) -> None:
         # handler_cancellation: a handler stops when its client disconnects (timeouts).
-        self._runner = web.AppRunner(make_app(self.cfg), handler_cancellation=True,
-                                     shutdown_timeout=0.5, access_log=None)
+        self._runner = web.AppRunner(
+            make_app(self.cfg), handler_cancellation=True, shutdown_timeout=0.5, access_log=None
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
@@ -168,7 +175,7 @@ class StubServer:
         self._loop.run_until_complete(self._runner.cleanup())
         self._loop.close()
 
-    def start(self) -> "StubServer":
+    def start(self) -> StubServer:
         self._thread = threading.Thread(target=self._main, name="stub-server", daemon=True)
         self._thread.start()
         self._ready.wait(10)
@@ -181,7 +188,7 @@ class StubServer:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
 
-    def __enter__(self) -> "StubServer":
+    def __enter__(self) -> StubServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -198,14 +205,15 @@ def main() -> None:
     cfg = StubConfig(ttft_s=args.ttft_ms / 1000, itl_s=args.itl_ms / 1000)
     try:
         import uvloop
+
         uvloop.install()
     except ImportError:  # pragma: no cover
         pass
-    print(f"stub server on http://{args.host}:{args.port} "
-          f"(ttft {args.ttft_ms:g} ms, itl {args.itl_ms:g} ms)", flush=True)
+    print(
+        f"stub server on http://{args.host}:{args.port} (ttft {args.ttft_ms:g} ms, itl {args.itl_ms:g} ms)", flush=True
+    )
     t = time.time()
-    web.run_app(make_app(cfg), host=args.host, port=args.port, access_log=None,
-                handler_cancellation=True, print=None)
+    web.run_app(make_app(cfg), host=args.host, port=args.port, access_log=None, handler_cancellation=True, print=None)
     print(f"stopped after {time.time() - t:.1f} s")
 
 

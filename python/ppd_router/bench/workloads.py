@@ -25,14 +25,16 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Optional
 
 import orjson
 
 from ppd_router import count_tokens
 from ppd_router.bench import sharegpt as sg
+from ppd_router.errors import WorkloadError
 
 # (n_in, n_out) of Turn 1 and of every later turn, from the paper's Section 4.2.
 T1_SETTINGS: dict[str, tuple[int, int]] = {"small": (128, 128), "large": (1024, 1024)}
@@ -47,9 +49,7 @@ T2_SETTINGS: dict[str, tuple[int, int]] = {
     "big_paste": (512, 64),
     "huge_paste": (1024, 32),
 }
-SYNTHETIC_WORKLOADS: tuple[str, ...] = tuple(
-    f"{t1}_{t2}" for t1 in T1_SETTINGS for t2 in T2_SETTINGS
-)
+SYNTHETIC_WORKLOADS: tuple[str, ...] = tuple(f"{t1}_{t2}" for t1 in T1_SETTINGS for t2 in T2_SETTINGS)
 RECORDED_WORKLOADS: tuple[str, ...] = ("sharegpt", "wildchat-like")
 MIN_TURNS, MAX_TURNS = 2, 16
 
@@ -71,10 +71,6 @@ _WORDS: tuple[str, ...] = tuple(
     water where whether which while whole window within without world would write
     young""".split()
 )
-
-
-class WorkloadError(ValueError):
-    """Unknown workload name, unreadable workload file, or bad workload options."""
 
 
 @dataclass(frozen=True)
@@ -175,8 +171,7 @@ class SyntheticWorkload(Workload):
         return Conversation(f"{self.name}-{self.seed}-{index}", tuple(turns))
 
     def info(self) -> dict[str, Any]:
-        return {"workload": self.name, "turns": self.turns, "t1_context": self.t1,
-                "t2_workload": self.t2}
+        return {"workload": self.name, "turns": self.turns, "t1_context": self.t1, "t2_workload": self.t2}
 
 
 # --- WildChat-like -------------------------------------------------------------
@@ -192,7 +187,7 @@ _WC_CLIP_IN, _WC_CLIP_OUT = (1, 8192), (8, 2048)
 
 
 def _lognormal_int(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
-    return max(lo, min(hi, int(round(rng.lognormvariate(math.log(median), sigma)))))
+    return max(lo, min(hi, round(rng.lognormvariate(math.log(median), sigma))))
 
 
 class WildChatLikeWorkload(Workload):
@@ -312,13 +307,17 @@ class RecordedWorkload(Workload):
         # the router's conversation identity nor the engine's prefix cache.
         first = base.turns[0]
         tag = f"replay{rep}"
-        turns = (Turn(f"{tag} {first.text}", first.n_in + 1, first.n_out),) + base.turns[1:]
+        turns = (Turn(f"{tag} {first.text}", first.n_in + 1, first.n_out), *base.turns[1:])
         return Conversation(f"{base.id}#{rep}", turns, base.system)
 
     def info(self) -> dict[str, Any]:
         turns = [len(c.turns) for c in self._convs]
-        return {"workload": self.name, "conversations": len(self._convs),
-                "avg_turns": sum(turns) / len(turns), **self._extra}
+        return {
+            "workload": self.name,
+            "conversations": len(self._convs),
+            "avg_turns": sum(turns) / len(turns),
+            **self._extra,
+        }
 
 
 def _message_text(content: Any) -> Optional[str]:
@@ -392,8 +391,13 @@ def load_sharegpt(path: Optional[Path], flt: ConversationFilter, seed: int = 0) 
     src = path if path is not None else sg.packaged_dataset_path()
     records, stats = sg.recover_records(src)
     convs, counts = conversations_from_records(records, flt, "sharegpt")
-    info = {"source": str(src), "recovered_records": stats.records,
-            "truncated": stats.truncated, "dropped_chars": stats.dropped_chars, **counts}
+    info = {
+        "source": str(src),
+        "recovered_records": stats.records,
+        "truncated": stats.truncated,
+        "dropped_chars": stats.dropped_chars,
+        **counts,
+    }
     return RecordedWorkload("sharegpt", convs, seed, info)
 
 
@@ -428,10 +432,7 @@ def load_workload(
     path = Path(spec)
     if path.is_file():
         return load_conversation_file(path, flt, seed)
-    raise WorkloadError(
-        f"unknown workload {spec!r} (not a file either); names: "
-        + ", ".join(workload_names())
-    )
+    raise WorkloadError(f"unknown workload {spec!r} (not a file either); names: " + ", ".join(workload_names()))
 
 
 @dataclass

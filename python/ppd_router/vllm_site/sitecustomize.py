@@ -53,7 +53,7 @@ class _PatchNixl(importlib.abc.MetaPathFinder):
             if hasattr(module, "nixlBind"):
                 module.nixlBind = _Bindings(module.nixlBind, delay_us)
 
-        spec.loader.exec_module = exec_and_patch
+        spec.loader.exec_module = exec_and_patch  # type: ignore[method-assign]  # this loader only, on purpose
         return spec
 
 
