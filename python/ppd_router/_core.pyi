@@ -1,17 +1,69 @@
-"""Type stubs of the Rust extension ``ppd_router._core``."""
+"""Type stubs of the Rust extension ``ppd_router._core``.
+
+Checked against the built extension by ``python -m mypy.stubtest ppd_router._core``
+(scripts/test.sh); the TypedDicts and aliases below exist only here, for the
+shapes of returned dicts (tests/stubtest-allowlist.txt names them).
+"""
 
 from os import PathLike
 from types import TracebackType
-from typing import Any, Literal, Optional, TypedDict, Union
+from typing import Any, Literal, Optional, TypedDict, Union, final
+
+from typing_extensions import Self
 
 __version__: str
 PATHS: list[str]
 REASONS: list[str]
 
-class PpdError(Exception): ...
-class TableError(ValueError): ...
-class BadRequest(ValueError): ...
-class ConfigError(ValueError): ...
+class PpdError(Exception):
+    """Base class of every error ppd_router raises."""
+
+class ConfigError(PpdError, ValueError):
+    """An invalid setting or name."""
+
+class TableError(PpdError, ValueError):
+    """A lookup table failed to load or validate."""
+
+class BadRequest(PpdError, ValueError):
+    """A request body cannot be routed."""
+
+class InvalidArgument(PpdError, ValueError):
+    """An argument out of its range (a count, a rate, a time)."""
+
+class RunError(PpdError, RuntimeError):
+    """A router, emulator or cluster failed to start, run or stop."""
+
+class TokenizerError(PpdError, OSError):
+    """A tokenizer file could not be read or loaded."""
+
+class FileError(PpdError, OSError):
+    """A file could not be written."""
+
+# --- the shared vocabulary (rust/ppd-core: layout, catalog, builtin) ---
+
+ROLES: list[str]
+"""Node roles: "P", "D", "pD", "R"."""
+ROLE_SETTINGS: dict[str, str]
+"""Role -> the router setting that lists its nodes ("P" -> "prefill", ...)."""
+PAPER_CONTEXT_BINS: list[int]
+PAPER_CONTEXT_NAMES: list[str]
+PAPER_QPS: list[float]
+PAPER_WORKLOADS: list[tuple[str, int, int]]
+"""The nine Turn-2 workload types as (name, n_in, n_out)."""
+T1_CONTEXTS: list[tuple[str, int, int]]
+"""Turn-1 contexts of the synthetic workloads as (name, n_in, n_out)."""
+SYNTHETIC_WORKLOADS: list[str]
+"""The 18 synthetic two-turn workloads, small_tiny ... large_huge_paste."""
+PAPER_CONFIGS: list[tuple[str, str]]
+"""The paper's 17 deployments with the policy that realises each."""
+BUILTIN_TABLES: list[tuple[str, int, int]]
+"""The shipped tables as (name, prefill nodes, decode nodes)."""
+
+def parse_layout(layout: str) -> list[str]:
+    """The roles of a layout, e.g. ``parse_layout("1P_1D_2pD") == ["P", "D", "pD", "pD"]``."""
+
+def nearest_table(layout: str) -> str:
+    """The spec (``builtin:NAME``) of the shipped table nearest a layout's share of prefill nodes."""
 
 PathName = Literal["pd", "local", "replica"]
 
@@ -26,6 +78,7 @@ class ScoredCell(CellRef):
     d_ttft: float
     d_tpot: float
 
+@final
 class TokenCounter:
     @staticmethod
     def word_rule() -> TokenCounter: ...
@@ -38,10 +91,14 @@ class TokenCounter:
 def count_tokens(text: str) -> int:
     """Tokens of ``text`` under the word rule shared with the emulator."""
 
+@final
 class Table:
     @staticmethod
     def load(path: Union[str, PathLike[str]]) -> Table:
         """Load and validate a ``ppd-table/1`` file; raises TableError naming file, cell and field."""
+    @staticmethod
+    def from_spec(spec: str) -> Table:
+        """Load ``builtin:NAME`` (a shipped table) or a file path."""
     @staticmethod
     def from_json(text: str, name: str = "<string>") -> Table: ...
     def to_json(self) -> str: ...
@@ -72,6 +129,7 @@ class Table:
     def lookup(self, n_ctx: int, n_in: int, n_out: int, qps: float) -> dict[str, Any]: ...
     def __len__(self) -> int: ...
 
+@final
 class Route:
     @property
     def path(self) -> PathName: ...
@@ -83,8 +141,9 @@ class Route:
     def cell(self) -> Optional[ScoredCell]: ...
     def to_dict(self) -> dict[str, Any]: ...
 
+@final
 class DecisionEngine:
-    def __init__(self, table: Table, policy: str = "ppd", w_ttft: float = 1.0, w_tpot: float = 1.0) -> None: ...
+    def __new__(cls, table: Table, policy: str = "ppd", w_ttft: float = 1.0, w_tpot: float = 1.0) -> Self: ...
     def decide(
         self,
         turn: int,
@@ -113,16 +172,18 @@ class DecisionEngine:
     def table(self) -> Table: ...
 
 class SessionInfo(TypedDict):
+    id: str
     turns: int
     p: Optional[str]
     d: Optional[str]
     context_tokens: Optional[int]
     mean_output_tokens: Optional[int]
-    created: float
-    last_access: float
+    created_ms: int
+    last_access_ms: int
 
+@final
 class SessionTable:
-    def __init__(self, ttl_s: float = 3600.0, capacity: int = 1_000_000, shards: int = 64) -> None: ...
+    def __new__(cls, ttl_s: float = 3600.0, capacity: int = 1_000_000, shards: int = 64) -> Self: ...
     def get(self, conversation_id: str, now: Optional[float] = None) -> Optional[SessionInfo]: ...
     def record_turn(
         self,
@@ -161,14 +222,17 @@ def identify(
     default_n_out: int = 128,
 ) -> RequestFeatures: ...
 
+@final
 class QpsEstimator:
-    def __init__(self, window_s: float = 10.0, buckets: int = 100) -> None: ...
+    def __new__(cls, window_s: float = 10.0, buckets: int = 100) -> Self: ...
     def record(self, now: Optional[float] = None) -> None: ...
     def rate(self, now: Optional[float] = None) -> float: ...
 
+@final
 class Router:
-    """The Rust router server. ``config_json``: the settings of ``ppd-router serve`` (TOML keys)."""
-    def __init__(self, config_json: str) -> None: ...
+    """The Rust router server: the TOML file at ``config_path`` (if any), overridden by
+    ``settings_json`` (settings of ``ppd-router serve`` by TOML key), validated once."""
+    def __new__(cls, settings_json: str = "{}", *, config_path: Optional[Union[str, PathLike[str]]] = None) -> Self: ...
     def serve(self) -> None:
         """Run in the foreground (GIL released) until SIGINT or SIGTERM."""
     def start(self) -> str:
@@ -180,8 +244,11 @@ class Router:
     def deregister_node(self, url: str) -> int: ...
     def nodes_json(self) -> str: ...
 
-def validate_router_config(config_json: str) -> str:
-    """The settings with defaults filled in, as JSON; raises ConfigError naming the bad field."""
+def validate_router_config(
+    settings_json: str = "{}", *, config_path: Optional[Union[str, PathLike[str]]] = None
+) -> str:
+    """The settings with defaults filled in, as JSON; raises ConfigError naming the bad field
+    (and its line, for a value from the file)."""
 
 # --- engine emulator and virtual-time simulator (rust/ppd-py/src/emulator.rs) ---
 
@@ -203,6 +270,7 @@ def run_emulator(
 ) -> None:
     """Runs one emulator node until SIGINT/SIGTERM (returns None) or a failure (raises)."""
 
+@final
 class EmulatedCluster:
     """Emulator nodes running in this process on free 127.0.0.1 ports."""
     @property
@@ -234,16 +302,13 @@ def start_emulated_cluster(
 ) -> EmulatedCluster:
     """Starts the nodes of ``layout`` (e.g. "2P2pD", "1P_1D_2pD", "4R") in this process."""
 
-def parse_layout(layout: str) -> list[str]:
-    """The roles of a layout, e.g. ``parse_layout("1P_1D_2pD") == ["P", "D", "pD", "pD"]``."""
-
 def load_profile(name_or_path: str) -> str:
     """A profile (built-in name or TOML path) as JSON."""
 
 def simulate(config_json: str, profile: Optional[str] = None, table: Optional[str] = None) -> str:
     """Runs one simulated point; ``config_json`` holds SimConfig's fields, the result is JSON.
 
-    ``table`` is a path or ``builtin:h100-2P2pD`` (default for ``ppd``: nearest P:D ratio);
+    ``table`` is a path or ``builtin:h100-2P2pD`` (default for ``ppd``: ``nearest_table``);
     the result names the table used in ``table``.
     """
 

@@ -1,14 +1,18 @@
 """Every exception ppd_router raises, under one base: :class:`PpdError`.
 
-``PpdError``, ``ConfigError``, ``TableError`` and ``BadRequest`` come from the Rust
-extension. The Python-side classes below derive from ``PpdError`` *and* from the
-builtin they replace, so ``except PpdError`` catches everything the package raises
-while ``except ValueError`` (``RuntimeError``, ``KeyError``, ...) keeps working:
+``PpdError`` and the classes Rust raises (``ConfigError``, ``TableError``,
+``BadRequest``, ``InvalidArgument``, ``RunError``, ``TokenizerError``, ``FileError``)
+come from the extension. Every class derives from ``PpdError`` *and* from the
+builtin a caller would expect, so ``except PpdError`` catches everything the package
+raises while ``except ValueError`` (``RuntimeError``, ``KeyError``, ...) keeps working:
 
-* ``ValueError``: ``ConfigError`` (an invalid setting or argument), ``TableError``,
-  ``BadRequest``, :class:`WorkloadError`, :class:`TargetError`,
-  :class:`RecoveryError`, :class:`ReportError`, :class:`RegistrationError`;
-* ``RuntimeError``: :class:`LaunchError`, :class:`MissingDependencyError`;
+* ``ValueError``: ``ConfigError`` (an invalid setting or name), ``TableError``,
+  ``BadRequest``, ``InvalidArgument`` (an argument out of range),
+  :class:`WorkloadError`, :class:`TargetError`, :class:`RecoveryError`,
+  :class:`ReportError`, :class:`RegistrationError`;
+* ``RuntimeError``: ``RunError`` (a router, emulator or cluster failed),
+  :class:`LaunchError`, :class:`MissingDependencyError`;
+* ``OSError``: ``TokenizerError``, ``FileError``;
 * ``KeyError``: :class:`UnknownNodeError`;
 * ``FileNotFoundError``: :class:`DatasetNotFoundError`;
 * ``FileExistsError``: :class:`ModelDirExistsError`.
@@ -16,7 +20,16 @@ while ``except ValueError`` (``RuntimeError``, ``KeyError``, ...) keeps working:
 
 from __future__ import annotations
 
-from ppd_router._core import BadRequest, ConfigError, PpdError, TableError
+from ppd_router._core import (
+    BadRequest,
+    ConfigError,
+    FileError,
+    InvalidArgument,
+    PpdError,
+    RunError,
+    TableError,
+    TokenizerError,
+)
 
 
 class WorkloadError(PpdError, ValueError):
@@ -63,6 +76,8 @@ __all__ = [
     "BadRequest",
     "ConfigError",
     "DatasetNotFoundError",
+    "FileError",
+    "InvalidArgument",
     "LaunchError",
     "MissingDependencyError",
     "ModelDirExistsError",
@@ -70,8 +85,10 @@ __all__ = [
     "RecoveryError",
     "RegistrationError",
     "ReportError",
+    "RunError",
     "TableError",
     "TargetError",
+    "TokenizerError",
     "UnknownNodeError",
     "WorkloadError",
 ]

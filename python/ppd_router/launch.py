@@ -27,11 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from ppd_router import _core
 from ppd_router.errors import ConfigError, LaunchError, UnknownNodeError
 
 ROLES = ("P", "D", "pD", "R")
 KV_ROLE = {"P": "kv_producer", "D": "kv_consumer", "pD": "kv_consumer"}
-ROUTER_LIST = {"P": "prefill", "D": "decode", "pD": "pd_capable", "R": "replica"}
+ROUTER_LIST = _core.ROLE_SETTINGS  # role -> the router setting that lists its nodes
 SITE_DIR = Path(__file__).with_name("vllm_site")
 # Port offsets from --base-port: HTTP at base + i, NIXL side channel at base + 1000 + i,
 # KV events at base + 2000 + i (one range per kind, so layouts of any size never collide).
@@ -467,8 +468,7 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 def _launch(args: argparse.Namespace) -> int:
     from ppd_router import _core
-    from ppd_router._core import validate_router_config
-    from ppd_router.serve import build_router, config_from
+    from ppd_router.serve import build_router, settings_of
 
     roles = _core.parse_layout(args.layout)
     cluster = VllmCluster(
@@ -485,16 +485,14 @@ def _launch(args: argparse.Namespace) -> int:
         kv_events=not args.no_kv_events,
         cpu_kvcache_gib=args.cpu_kvcache_gib,
     )
-    cfg = config_from(args)
-    cfg.update(cluster.router_nodes())
+    nodes: dict[str, Any] = dict(cluster.router_nodes())
     tokenizer = Path(args.model) / "tokenizer.json"
-    if "tokenizer" not in cfg and tokenizer.exists():
-        cfg["tokenizer"] = str(tokenizer)  # exact n_in / n_ctx for the decision, not the word-rule estimate
+    if settings_of(args, nodes)["tokenizer"] is None and tokenizer.exists():
+        nodes["tokenizer"] = str(tokenizer)  # exact n_in / n_ctx for the decision, not the word-rule estimate
     if args.dry_run:
-        settings = json.loads(validate_router_config(json.dumps(cfg)))
-        print(json.dumps(cluster.plan_summary(router_settings=settings), indent=1))
+        print(json.dumps(cluster.plan_summary(router_settings=settings_of(args, nodes)), indent=1))
         return 0
-    router = build_router(cfg)  # settings are checked before any node starts
+    router = build_router(args, nodes)  # settings are checked before any node starts
     signal.signal(signal.SIGTERM, _raise_interrupt)
     started = time.monotonic()
     try:

@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import math
-import re
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -46,8 +46,9 @@ from typing import Any, Optional
 
 import orjson
 
+from ppd_router import _core
 from ppd_router.bench.metrics import SWEEP_COLUMNS
-from ppd_router.errors import ReportError
+from ppd_router.errors import ConfigError, ReportError
 
 MODES = ("Replica", "x=0", "0<x<1", "x=1", "PPD", "hybrid")
 BANDS: dict[str, tuple[float, float]] = {"low": (0.5, 2.0), "med": (4.0, 8.0), "high": (12.0, 20.0)}
@@ -108,21 +109,19 @@ class Row:
         return (self.t1_avg_e2e * self.t1_count + self.t2_avg_e2e * self.t2_count) / n if n else math.nan
 
 
-_ROLE = re.compile(r"(\d+)(pD|P|D|R)")
+def _layout(config: str) -> list[str]:
+    """The node roles of a configuration, by the core's layout grammar."""
+    try:
+        return _core.parse_layout(config)
+    except ConfigError:
+        raise ReportError(f"unknown configuration {config!r}; expected e.g. 1P_3pD, 2P2D, 4R") from None
 
 
 def roles(config: str) -> dict[str, int]:
     """Node counts of a configuration in the paper's or the CLI's notation (1P_3pD, 1P3pD)."""
-    s = config.replace("_", "")
-    counts = {"P": 0, "D": 0, "pD": 0, "R": 0}
-    pos = 0
-    for m in _ROLE.finditer(s):
-        if m.start() != pos:
-            break
-        counts[m.group(2)] += int(m.group(1))
-        pos = m.end()
-    if pos != len(s) or pos == 0:
-        raise ReportError(f"unknown configuration {config!r}; expected e.g. 1P_3pD, 2P2D, 4R")
+    counts = dict.fromkeys(_core.ROLES, 0)
+    for r in _layout(config):
+        counts[r] += 1
     return counts
 
 
@@ -130,10 +129,10 @@ def canonical(config: str) -> str:
     """``1P3pD`` → ``1P_3pD``; the order P, D, pD, R is kept as written. A name that is not a
     layout is kept as it is, so the error that classifying it raises names it."""
     try:
-        roles(config)
+        layout = _layout(config)
     except ReportError:
         return config
-    return "_".join(m.group(0) for m in _ROLE.finditer(config.replace("_", "")))
+    return "_".join(f"{len(list(run))}{role}" for role, run in itertools.groupby(layout))
 
 
 def pair_key(config: str) -> str:

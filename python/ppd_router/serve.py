@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tomllib  # type: ignore[import-not-found]  # stdlib from 3.11; mypy checks as 3.10
-from pathlib import Path
 from typing import Any, Optional
 
 import orjson
@@ -56,32 +54,30 @@ _SCALARS: dict[str, tuple[type, str]] = {
 }
 
 
-def config_from(args: argparse.Namespace) -> dict[str, Any]:
-    """The TOML file's settings, overridden by every flag given."""
-    cfg: dict[str, Any] = {}
-    if args.config:
-        path = Path(args.config)
-        try:
-            cfg = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"{path}: {e}") from None
-    for key in list(_LISTS) + list(_SCALARS):
-        value = getattr(args, key, None)
-        if value is not None:
-            cfg[key] = value
-    return cfg
+def flag_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings given as flags, by TOML key; they override the file's (``--config``), which Rust reads."""
+    return {key: value for key in list(_LISTS) + list(_SCALARS) if (value := getattr(args, key, None)) is not None}
 
 
-def build_router(cfg: dict[str, Any]) -> Router:
-    return Router(orjson.dumps(cfg).decode())
+def build_router(args: argparse.Namespace, extra: Optional[dict[str, Any]] = None) -> Router:
+    """The router of ``--config`` and the flags (plus ``extra`` settings), validated once in Rust."""
+    return Router(orjson.dumps({**flag_settings(args), **(extra or {})}).decode(), config_path=args.config)
+
+
+def settings_of(args: argparse.Namespace, extra: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Every setting as the router would run with it (defaults filled in), or ConfigError."""
+    text = validate_router_config(
+        orjson.dumps({**flag_settings(args), **(extra or {})}).decode(), config_path=args.config
+    )
+    settings: dict[str, Any] = orjson.loads(text)
+    return settings
 
 
 def _serve(args: argparse.Namespace) -> int:
-    cfg = config_from(args)
     if args.print_config:
-        sys.stdout.write(validate_router_config(orjson.dumps(cfg).decode()) + "\n")
+        sys.stdout.write(orjson.dumps(settings_of(args)).decode() + "\n")
         return 0
-    router = build_router(cfg)
+    router = build_router(args)
     discovery = None
     if args.discovery:
         from ppd_router.discovery import Discovery

@@ -106,12 +106,13 @@ fn parse_args() -> Args {
     } else {
         !a.target.is_empty()
     };
-    if !ok_mode
-        || a.body.is_empty()
-        || !(a.rate > 0.0 && a.rate <= 100_000.0)
-        || !(a.duration > 0.0 && a.duration <= 600.0)
-        || !(a.timeout > 0.0 && a.timeout <= 120.0)
-    {
+    // Written as ranges so that NaN is refused too.
+    let valid = ok_mode
+        && !a.body.is_empty()
+        && (f64::MIN_POSITIVE..=100_000.0).contains(&a.rate)
+        && (f64::MIN_POSITIVE..=600.0).contains(&a.duration)
+        && (f64::MIN_POSITIVE..=120.0).contains(&a.timeout);
+    if !valid {
         usage();
     }
     a
@@ -241,7 +242,11 @@ async fn stream_one(
 /// The NIXL exchange done by the client: P (non-streamed, max_tokens 1) then D (streamed).
 async fn client_pd_one(sh: &Shared, session: Option<&str>, t0: Instant, s: &mut Sample) {
     let p_uri = format!("{}/v1/chat/completions", sh.args.prefill);
-    let resp = match sh.client.request(post(&p_uri, sh.p_body.clone(), session)).await {
+    let resp = match sh
+        .client
+        .request(post(&p_uri, sh.p_body.clone(), session))
+        .await
+    {
         Ok(r) => r,
         Err(_) => {
             s.err = Some("p_connect_or_send");
@@ -385,8 +390,19 @@ fn main() {
                     while i < sh.args.sessions {
                         let mut s = Sample::default();
                         let sid = session_id(&sh.args, i);
-                        let f = stream_one(&sh, &uri, pb.clone(), sid.as_deref(), Instant::now(), &mut s);
-                        if tokio::time::timeout(Duration::from_secs(10), f).await.is_err() || !s.ok {
+                        let f = stream_one(
+                            &sh,
+                            &uri,
+                            pb.clone(),
+                            sid.as_deref(),
+                            Instant::now(),
+                            &mut s,
+                        );
+                        if tokio::time::timeout(Duration::from_secs(10), f)
+                            .await
+                            .is_err()
+                            || !s.ok
+                        {
                             bad += 1;
                         }
                         i += 16;
@@ -399,7 +415,10 @@ fn main() {
                 bad += l.await.unwrap_or(1);
             }
             if bad > 0 {
-                eprintln!("priming: {bad} of {} session requests failed", args.sessions);
+                eprintln!(
+                    "priming: {bad} of {} session requests failed",
+                    args.sessions
+                );
             }
         }
         for w in 0..args.warmup {
@@ -409,7 +428,8 @@ fn main() {
     });
 
     let n_planned = (args.rate * args.duration).round() as u64;
-    let results: Arc<Mutex<Vec<Sample>>> = Arc::new(Mutex::new(Vec::with_capacity(n_planned as usize)));
+    let results: Arc<Mutex<Vec<Sample>>> =
+        Arc::new(Mutex::new(Vec::with_capacity(n_planned as usize)));
     let dropped = Arc::new(AtomicU64::new(0));
     let handle = rt.handle().clone();
     let cpu0 = cpu_seconds();

@@ -31,14 +31,14 @@ from typing import Any, Optional
 
 import orjson
 
-from ppd_router import Table
+from ppd_router import Table, _core
 from ppd_router.bench.client import BenchConfig, chat_url, run
 from ppd_router.bench.workloads import T2_SETTINGS, SyntheticWorkload
 from ppd_router.errors import TargetError
 
 CONTEXT_TO_T1 = {"small": "small", "large": "large"}
-DEFAULT_QPS = (0.5, 1, 2, 4, 6, 8, 10, 12, 16, 20)
-CONTEXT_BINS = [512, 4096]
+DEFAULT_QPS = tuple(_core.PAPER_QPS)
+CONTEXT_BINS = list(_core.PAPER_CONTEXT_BINS)
 
 Key = tuple[str, str, float, int]  # (context, workload, qps, x)
 

@@ -32,24 +32,14 @@ from typing import Any, Optional
 
 import orjson
 
-from ppd_router import count_tokens
+from ppd_router import _core, count_tokens
 from ppd_router.bench import sharegpt as sg
 from ppd_router.errors import WorkloadError
 
-# (n_in, n_out) of Turn 1 and of every later turn, from the paper's Section 4.2.
-T1_SETTINGS: dict[str, tuple[int, int]] = {"small": (128, 128), "large": (1024, 1024)}
-T2_SETTINGS: dict[str, tuple[int, int]] = {
-    "tiny": (16, 32),
-    "short_gen": (32, 256),
-    "long_gen": (32, 512),
-    "very_long_gen": (64, 1024),
-    "small_bal": (64, 64),
-    "mid_bal": (128, 128),
-    "mid_paste": (256, 64),
-    "big_paste": (512, 64),
-    "huge_paste": (1024, 32),
-}
-SYNTHETIC_WORKLOADS: tuple[str, ...] = tuple(f"{t1}_{t2}" for t1 in T1_SETTINGS for t2 in T2_SETTINGS)
+# (n_in, n_out) of Turn 1 and of every later turn, from the paper's Section 4.2 (defined in the core).
+T1_SETTINGS: dict[str, tuple[int, int]] = {name: (n_in, n_out) for name, n_in, n_out in _core.T1_CONTEXTS}
+T2_SETTINGS: dict[str, tuple[int, int]] = {name: (n_in, n_out) for name, n_in, n_out in _core.PAPER_WORKLOADS}
+SYNTHETIC_WORKLOADS: tuple[str, ...] = tuple(_core.SYNTHETIC_WORKLOADS)
 RECORDED_WORKLOADS: tuple[str, ...] = ("sharegpt", "wildchat-like")
 MIN_TURNS, MAX_TURNS = 2, 16
 

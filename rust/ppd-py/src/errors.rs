@@ -11,13 +11,6 @@ use pyo3::types::{PyDict, PyTuple, PyType};
 
 use ppd_core::Error as CoreError;
 
-pyo3::create_exception!(
-    _core,
-    PpdError,
-    PyException,
-    "Base class of every error ppd_router raises."
-);
-
 /// The concrete classes, in [`CLASSES`] order.
 #[derive(Clone, Copy)]
 pub(crate) enum Kind {
@@ -72,31 +65,46 @@ const CLASSES: [(&str, Builtin, &str); 7] = [
     ),
 ];
 
-static TYPES: PyOnceLock<Vec<Py<PyType>>> = PyOnceLock::new();
+/// `PpdError`, then the classes of [`CLASSES`].
+static TYPES: PyOnceLock<(Py<PyType>, Vec<Py<PyType>>)> = PyOnceLock::new();
 
-fn make_types(py: Python<'_>) -> PyResult<Vec<Py<PyType>>> {
-    let type_ = py.get_type::<PyType>();
-    CLASSES
+/// `type(name, bases, {"__module__": "ppd_router._core", "__doc__": doc})`.
+fn new_class<'py>(
+    py: Python<'py>,
+    name: &str,
+    bases: &[Bound<'py, PyType>],
+    doc: &str,
+) -> PyResult<Py<PyType>> {
+    let namespace = PyDict::new(py);
+    namespace.set_item("__module__", "ppd_router._core")?;
+    namespace.set_item("__doc__", doc)?;
+    Ok(py
+        .get_type::<PyType>()
+        .call1((name, PyTuple::new(py, bases)?, namespace))?
+        .cast_into::<PyType>()?
+        .unbind())
+}
+
+fn make_types(py: Python<'_>) -> PyResult<(Py<PyType>, Vec<Py<PyType>>)> {
+    let base = new_class(
+        py,
+        "PpdError",
+        &[py.get_type::<PyException>()],
+        "Base class of every error ppd_router raises.",
+    )?;
+    let classes = CLASSES
         .iter()
-        .map(|(name, builtin, doc)| {
-            let bases = PyTuple::new(py, [py.get_type::<PpdError>(), builtin(py)])?;
-            let namespace = PyDict::new(py);
-            namespace.set_item("__module__", "ppd_router._core")?;
-            namespace.set_item("__doc__", *doc)?;
-            Ok(type_
-                .call1((*name, bases, namespace))?
-                .cast_into::<PyType>()?
-                .unbind())
-        })
-        .collect()
+        .map(|(name, builtin, doc)| new_class(py, name, &[base.bind(py).clone(), builtin(py)], doc))
+        .collect::<PyResult<_>>()?;
+    Ok((base, classes))
 }
 
 /// Adds `PpdError` and its subclasses to the module.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
-    m.add("PpdError", py.get_type::<PpdError>())?;
-    let types = TYPES.get_or_try_init(py, || make_types(py))?;
-    for ((name, _, _), t) in CLASSES.iter().zip(types) {
+    let (base, classes) = TYPES.get_or_try_init(py, || make_types(py))?;
+    m.add("PpdError", base.bind(py))?;
+    for ((name, _, _), t) in CLASSES.iter().zip(classes) {
         m.add(*name, t.bind(py))?;
     }
     Ok(())
@@ -106,9 +114,9 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 pub(crate) fn err(kind: Kind, message: impl Into<String>) -> PyErr {
     let message = message.into();
     Python::attach(|py| match TYPES.get(py) {
-        Some(t) => PyErr::from_type(t[kind as usize].bind(py).clone(), message),
+        Some((_, classes)) => PyErr::from_type(classes[kind as usize].bind(py).clone(), message),
         // Only before the module finished importing.
-        None => PpdError::new_err(message),
+        None => PyRuntimeError::new_err(message),
     })
 }
 

@@ -201,6 +201,13 @@ fn validate_router_config(settings_json: &str, config_path: Option<PathBuf>) -> 
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add(
+        "ROLE_SETTINGS",
+        Role::ALL
+            .iter()
+            .map(|&r| (r.as_str(), ppd_server::config::node_setting(r)))
+            .collect::<std::collections::BTreeMap<_, _>>(),
+    )?;
     m.add_class::<Router>()?;
     m.add_function(wrap_pyfunction!(validate_router_config, m)?)?;
     Ok(())

@@ -135,6 +135,16 @@ impl Default for RouterConfig {
     }
 }
 
+/// The setting that lists the static nodes of a role.
+pub fn node_setting(role: Role) -> &'static str {
+    match role {
+        Role::P => "prefill",
+        Role::D => "decode",
+        Role::PD => "pd_capable",
+        Role::R => "replica",
+    }
+}
+
 /// A rejected setting, by field name, and where it came from when that is a file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConfigError {
@@ -243,6 +253,25 @@ fn positive(field: &str, v: f64) -> Result<(), ConfigError> {
 }
 
 impl RouterConfig {
+    /// The node URLs given for a role (the list [`node_setting`] names).
+    pub fn nodes_of(&self, role: Role) -> &[String] {
+        match role {
+            Role::P => &self.prefill,
+            Role::D => &self.decode,
+            Role::PD => &self.pd_capable,
+            Role::R => &self.replica,
+        }
+    }
+
+    fn nodes_of_mut(&mut self, role: Role) -> &mut Vec<String> {
+        match role {
+            Role::P => &mut self.prefill,
+            Role::D => &mut self.decode,
+            Role::PD => &mut self.pd_capable,
+            Role::R => &mut self.replica,
+        }
+    }
+
     /// Reads a TOML document; an unknown key or a wrong type names the field
     /// and its line in `origin` (the file's name).
     pub fn from_toml(text: &str, origin: &str) -> Result<RouterConfig, ConfigError> {
@@ -350,17 +379,11 @@ impl RouterConfig {
                 return Err(bad("admin_token", "must not be empty when given"));
             }
         }
-        let nodes = |field: &str, list: &[String]| -> Result<Vec<NodeSpec>, ConfigError> {
-            list.iter().map(|s| parse_node(field, s)).collect()
-        };
         let mut static_nodes = Vec::new();
-        for (field, list, role) in [
-            ("prefill", &self.prefill, Role::P),
-            ("decode", &self.decode, Role::D),
-            ("pd_capable", &self.pd_capable, Role::PD),
-            ("replica", &self.replica, Role::R),
-        ] {
-            static_nodes.extend(nodes(field, list)?.into_iter().map(|n| (role, n)));
+        for role in Role::ALL {
+            for url in self.nodes_of(role) {
+                static_nodes.push((role, parse_node(node_setting(role), url)?));
+            }
         }
         let emulated = match &self.emulated {
             None => None,
@@ -421,12 +444,7 @@ impl Settings {
         }
         for (role, url) in roles.into_iter().zip(urls) {
             let spec = parse_node("emulated", url)?;
-            match role {
-                Role::P => self.cfg.prefill.push(url.clone()),
-                Role::D => self.cfg.decode.push(url.clone()),
-                Role::PD => self.cfg.pd_capable.push(url.clone()),
-                Role::R => self.cfg.replica.push(url.clone()),
-            }
+            self.cfg.nodes_of_mut(role).push(url.clone());
             self.nodes.push((role, spec));
         }
         // The layout is now a set of static nodes.
