@@ -485,14 +485,16 @@ def _launch(args: argparse.Namespace) -> int:
         kv_events=not args.no_kv_events,
         cpu_kvcache_gib=args.cpu_kvcache_gib,
     )
-    nodes: dict[str, Any] = dict(cluster.router_nodes())
+    extra: dict[str, Any] = dict(cluster.router_nodes())
+    settings = settings_of(args, extra)
     tokenizer = Path(args.model) / "tokenizer.json"
-    if settings_of(args, nodes)["tokenizer"] is None and tokenizer.exists():
-        nodes["tokenizer"] = str(tokenizer)  # exact n_in / n_ctx for the decision, not the word-rule estimate
+    if settings["tokenizer"] is None and tokenizer.exists():
+        # exact n_in / n_ctx for the decision, not the word-rule estimate
+        extra["tokenizer"] = settings["tokenizer"] = str(tokenizer)
     if args.dry_run:
-        print(json.dumps(cluster.plan_summary(router_settings=settings_of(args, nodes)), indent=1))
+        print(json.dumps(cluster.plan_summary(router_settings=settings), indent=1))
         return 0
-    router = build_router(args, nodes)  # settings are checked before any node starts
+    router = build_router(args, extra)  # settings are checked before any node starts
     signal.signal(signal.SIGTERM, _raise_interrupt)
     started = time.monotonic()
     try:
