@@ -217,6 +217,16 @@ def start_vllm_router(procs: Procs, exe: str, url: dict, port: int) -> tuple[int
     return v.pid, version
 
 
+def start_router_b(procs: Procs, command: str, tmp: Path, url: dict, port: int) -> int:
+    """A second router build, run as `COMMAND CONFIG.toml` (ppd-server's serve_toml example) with the
+    settings ppd-router gets here (P and pD nodes, policy local); returns its pid once healthy."""
+    cfg_b = tmp / "router-b.toml"
+    cfg_b.write_text(f'port = {port}\nprefill = ["{url["P"]}"]\npd_capable = ["{url["D"]}"]\npolicy = "local"\n')
+    b = procs.start("router-b", [*command.split(), str(cfg_b)])
+    wait_http(f"http://127.0.0.1:{port}/health", 30, b)
+    return b.pid
+
+
 def loadgen_argv(target: str, target_url: str | None, url: dict, rate: float, duration: float, timeout: float,
                  seed: int, bodies: tuple[Path, Path], sessions: int, prime: bool, t1_prefix: str) -> list[str]:
     """The load generator's command for one target: `client_pd_t1` does the NIXL exchange itself,
@@ -285,12 +295,7 @@ def main() -> None:
         wait_http(url["ppd"] + "/health", 30, r)
         pid["ppd"] = r.pid
         if args.router_b:
-            cfg_b = tmp / "router-b.toml"
-            cfg_b.write_text(f'port = {port["b"]}\nprefill = ["{url["P"]}"]\npd_capable = ["{url["D"]}"]\n'
-                             'policy = "local"\n')
-            b = procs.start("router-b", [*args.router_b.split(), str(cfg_b)])
-            wait_http(url["b"] + "/health", 30, b)
-            pid["b"] = b.pid
+            pid["b"] = start_router_b(procs, args.router_b, tmp, url, port["b"])
         if have_vllm:
             pid["vllm"], results["meta"]["vllm_router_version"] = start_vllm_router(
                 procs, args.vllm_router, url, port["vllm"])

@@ -18,6 +18,8 @@ Pairs (routed target vs its baseline):
   ppd_pd_t1     vs client_pd_t1  ppd-router, path pd (P then D), vs the NIXL exchange done by
                                  the load generator itself (a zero-cost router)
   vllm_pd_t1    vs client_pd_t1  PyPI vllm-router --vllm-pd-disaggregation on the same nodes
+  b_local_t2    vs direct_t2     with --router-b: a second ppd-router build (its serve_toml
+  b_pd_t1       vs client_pd_t1  example), local and pd paths, for an old-vs-new comparison
 
 It also reports the CPU each router process spent per request it served in the window.
 
@@ -55,6 +57,7 @@ from router_overhead import (  # noqa: E402 - the sibling script's process and l
     loadavg,
     loadgen_argv,
     start_nodes,
+    start_router_b,
     start_vllm_router,
     wait_http,
 )
@@ -68,12 +71,14 @@ PAIRS = [
     ("one_local_t2", "direct_t2"),
     ("ppd_pd_t1", "client_pd_t1"),
     ("vllm_pd_t1", "client_pd_t1"),
+    ("b_local_t2", "direct_t2"),
+    ("b_pd_t1", "client_pd_t1"),
 ]
 # ppd-router instances: key -> extra `serve` flags
 PPD_ROUTERS = {"ppd": [], "ws": ["--runtime", "work-stealing"], "one": ["--worker-threads", "1"]}
 ROUTER_OF = {"relay_t2": "relay", "ppd_local_t2": "ppd", "ws_local_t2": "ws", "one_local_t2": "one",
              "ppd_pd_t1": "ppd",
-             "vllm_pd_t1": "vllm"}
+             "vllm_pd_t1": "vllm", "b_local_t2": "b", "b_pd_t1": "b"}
 
 
 def main() -> None:
@@ -82,8 +87,11 @@ def main() -> None:
     ap.add_argument("--probe-share", type=float, default=0.25, help="baseline rate as a share of the routed rate")
     ap.add_argument("--duration", type=float, default=8.0)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--pairs", nargs="*", default=[p[0] for p in PAIRS if p[0] != "one_local_t2"],
-                    help="routed targets to measure (one_local_t2 only when named)")
+    ap.add_argument("--pairs", nargs="*",
+                    default=[p[0] for p in PAIRS if p[0] not in ("one_local_t2", "b_local_t2", "b_pd_t1")],
+                    help="routed targets to measure (one_local_t2 only when named; b_* with --router-b)")
+    ap.add_argument("--router-b", help="a second router build, run as `ROUTER_B CONFIG.toml` (the serve_toml "
+                    "example of ppd-server); measured as b_local_t2 and b_pd_t1 when named in --pairs")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--sessions", type=int, default=256)
     ap.add_argument("--timeout", type=float, default=5.0)
@@ -100,11 +108,12 @@ def main() -> None:
         raise SystemExit(f"{RELAY} missing: cargo build --release -p ppd-server --example tcp_relay")
     ppd = str(Path(sys.executable).parent / "ppd-router")
     have_vllm = Path(args.vllm_router).exists()
-    pairs = [p for p in PAIRS if p[0] in args.pairs and (have_vllm or p[0] != "vllm_pd_t1")]
+    pairs = [p for p in PAIRS if p[0] in args.pairs and (have_vllm or p[0] != "vllm_pd_t1")
+             and (args.router_b or not p[0].startswith("b_"))]
     tmp = Path(tempfile.mkdtemp(prefix="router-overhead-paired-"))
     t1, t2 = bodies(tmp, args.max_tokens)
     procs = Procs(tmp)
-    port = {k: free_port() for k in ("P", "D", *PPD_ROUTERS, "vllm", "relay")}
+    port = {k: free_port() for k in ("P", "D", *PPD_ROUTERS, "vllm", "relay", "b")}
     url = {k: f"http://127.0.0.1:{v}" for k, v in port.items()}
     results: dict = {"runs": [], "meta": {
         "rates": args.rates, "probe_share": args.probe_share, "duration_s": args.duration, "reps": args.reps,
@@ -121,6 +130,9 @@ def main() -> None:
         relay = procs.start("relay", [str(RELAY), str(port["relay"]), f"127.0.0.1:{port['D']}"])
         wait_http(url["relay"] + "/health", 30, relay)
         pid["relay"] = relay.pid
+        if any(p[0].startswith("b_") for p in pairs):
+            pid["b"] = start_router_b(procs, args.router_b, tmp, url, port["b"])
+            results["meta"]["router_b"] = args.router_b
         if have_vllm and any(p[0] == "vllm_pd_t1" for p in pairs):
             pid["vllm"], results["meta"]["vllm_router_version"] = start_vllm_router(
                 procs, args.vllm_router, url, port["vllm"])
@@ -186,6 +198,29 @@ def line(r: dict) -> str:
             f"paths {s['paths']} errors {s['errors']}")
 
 
+def ratio_table(runs: list, rates: list, pairs: list, title: str) -> None:
+    """Medians of this build over router B's, per routed pair and rate."""
+    if not any(r["routed"].startswith("b_") for r in runs):
+        return
+    print(f"\n{title}")
+    print("| routed (this / B) | rate/s | added p50 ratio | added p99 ratio | routed TTFT p50 ratio "
+          "| routed TTFT p99 ratio | CPU/req ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for a_name, b_name in pairs:
+        for rate in rates:
+            def mv(routed: str, f) -> float:
+                return med([f(r) for r in runs if r["routed"] == routed and r["rate"] == rate])
+            if not any(r["routed"] == b_name and r["rate"] == rate for r in runs):
+                continue
+            cells = []
+            for f in (lambda r: added(r, "p50"), lambda r: added(r, "p99"),
+                      lambda r: r["routed_summary"]["ttft_us"]["p50"], lambda r: r["routed_summary"]["ttft_us"]["p99"],
+                      lambda r: r["router_cpu_us_per_req"]):
+                a, b = mv(a_name, f), mv(b_name, f)
+                cells.append(f"{a / b:.2f}" if b and b > 0 and a == a else "n/a")
+            print(f"| {a_name} / {b_name} | {rate:g} | " + " | ".join(cells) + " |")
+
+
 def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -219,6 +254,8 @@ def report(results: dict) -> None:
               f"{med([r['base_summary']['ttft_us']['p99'] for r in rs]):.0f} "
               f"| {med([r['router_cpu_us_per_req'] for r in rs]):.0f} | {ok}/{arr} |")
     rates = sorted({r["rate"] for r in runs})
+    ratio_table(runs, rates, [("ppd_local_t2", "b_local_t2"), ("ppd_pd_t1", "b_pd_t1")],
+                f"this build / router B ({m.get('router_b', '-')}), same nodes, same run (< 1: this build better)")
     print("\nppd-router / vllm-router, PD path, same nodes, same run (< 1: ppd-router better)")
     print("| rate/s | added p50 ratio | added p99 ratio | routed TTFT p50 ratio | routed TTFT p99 ratio "
           "| CPU/req ratio |")

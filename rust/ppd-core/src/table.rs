@@ -6,9 +6,9 @@
 
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
-use std::fmt;
 
 use crate::catalog::PAPER_CONTEXT_NAMES;
+pub use crate::error::TableError;
 use crate::grid::{Grid, GridPoint, WorkloadType};
 
 pub const SCHEMA: &str = "ppd-table/1";
@@ -67,30 +67,6 @@ pub struct TableDoc {
     pub axes: Axes,
     pub cells: Vec<Cell>,
 }
-
-/// A loading error that names the file, the place in it, and the field.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TableError {
-    pub file: String,
-    pub location: String,
-    pub field: String,
-    pub message: String,
-}
-
-impl fmt::Display for TableError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "table {}", self.file)?;
-        if !self.location.is_empty() {
-            write!(f, ": {}", self.location)?;
-        }
-        if !self.field.is_empty() {
-            write!(f, ": field `{}`", self.field)?;
-        }
-        write!(f, ": {}", self.message)
-    }
-}
-
-impl std::error::Error for TableError {}
 
 /// Where a grid point's numbers come from, and the precomputed relative deltas.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -2,8 +2,8 @@
 
 use axum::body::{Body, Bytes};
 use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE};
-use axum::http::{HeaderName, HeaderValue, StatusCode};
-use axum::response::{IntoResponse, Response};
+use axum::http::{HeaderName, HeaderValue};
+use axum::response::Response;
 use futures_util::{Stream, StreamExt};
 use std::future::Future;
 use std::pin::Pin;
@@ -13,7 +13,6 @@ use std::time::{Duration, Instant};
 use ppd_core::Route;
 
 use crate::bookkeeping::{Counted, Ticket};
-use crate::error::openai_error;
 use crate::registry::{InflightGuard, Node};
 use crate::sse::{classify, EventKind, EventSplitter, Usage};
 use crate::upstream::read_all;
@@ -36,21 +35,6 @@ pub(crate) fn route_headers(resp: &mut Response, route: &Route, conv: &str, node
     if let Some(v) = &node.url_header {
         h.insert(NODE, v.clone());
     }
-}
-
-/// An upstream error answer, passed on with its status; a body that is not
-/// JSON is wrapped in an OpenAI-style error.
-pub(crate) fn passthrough(status: StatusCode, bytes: Bytes) -> Response {
-    if serde_json::from_slice::<serde::de::IgnoredAny>(&bytes).is_ok() {
-        return (status, [("content-type", "application/json")], bytes).into_response();
-    }
-    let msg = String::from_utf8_lossy(&bytes).trim().to_owned();
-    let msg = if msg.is_empty() {
-        format!("upstream answered HTTP {status}")
-    } else {
-        msg
-    };
-    openai_error(status, msg, "upstream_error", "upstream_status")
 }
 
 /// A non-streamed answer, read whole; `None` when the node failed while
@@ -232,21 +216,5 @@ impl Drop for Relay {
         if let Some(t) = self.ticket.take() {
             t.count(499);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn non_json_upstream_errors_are_wrapped() {
-        let r = passthrough(StatusCode::BAD_GATEWAY, Bytes::from_static(b"oops"));
-        assert_eq!(r.status(), StatusCode::BAD_GATEWAY);
-        let r = passthrough(
-            StatusCode::BAD_REQUEST,
-            Bytes::from_static(b"{\"error\":1}"),
-        );
-        assert_eq!(r.status(), StatusCode::BAD_REQUEST);
     }
 }

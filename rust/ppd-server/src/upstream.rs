@@ -7,15 +7,15 @@
 use axum::body::Bytes;
 use axum::http::header::CONTENT_TYPE;
 use axum::http::{HeaderValue, StatusCode};
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use std::sync::Arc;
 use std::time::Duration;
 
 use ppd_core::Role;
 
 use crate::bookkeeping::upstream_error;
+use crate::error::openai_error;
 use crate::registry::{InflightGuard, Node};
-use crate::relay::passthrough;
 use crate::state::AppState;
 
 /// Which OpenAI endpoint a request came in on (and goes out to).
@@ -138,6 +138,21 @@ pub(crate) async fn read_all(st: &AppState, resp: reqwest::Response) -> Option<B
         .and_then(Result::ok)
 }
 
+/// An upstream error answer, passed on with its status; a body that is not
+/// JSON is wrapped in an OpenAI-style error.
+fn passthrough(status: StatusCode, bytes: Bytes) -> Response {
+    if serde_json::from_slice::<serde::de::IgnoredAny>(&bytes).is_ok() {
+        return (status, [("content-type", "application/json")], bytes).into_response();
+    }
+    let msg = String::from_utf8_lossy(&bytes).trim().to_owned();
+    let msg = if msg.is_empty() {
+        format!("upstream answered HTTP {status}")
+    } else {
+        msg
+    };
+    openai_error(status, msg, "upstream_error", "upstream_status")
+}
+
 /// A node's error answer, passed on with its status.
 pub(crate) async fn error_answer(
     st: &AppState,
@@ -145,4 +160,20 @@ pub(crate) async fn error_answer(
     resp: reqwest::Response,
 ) -> Response {
     passthrough(status, read_all(st, resp).await.unwrap_or_default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn non_json_upstream_errors_are_wrapped() {
+        let r = passthrough(StatusCode::BAD_GATEWAY, Bytes::from_static(b"oops"));
+        assert_eq!(r.status(), StatusCode::BAD_GATEWAY);
+        let r = passthrough(
+            StatusCode::BAD_REQUEST,
+            Bytes::from_static(b"{\"error\":1}"),
+        );
+        assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    }
 }
