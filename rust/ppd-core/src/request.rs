@@ -28,6 +28,20 @@ pub struct RequestView<'a> {
     pub stream: Option<bool>,
     #[serde(default)]
     pub stream_options: Option<StreamOptionsView>,
+    /// Whether the client sent `kv_transfer_params`, a field only the router
+    /// may set (it steers a node's KV connector); null counts as sent.
+    #[serde(default)]
+    pub kv_transfer_params: Present,
+}
+
+/// Whether a field was in the body at all, whatever its value.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Present(pub bool);
+
+impl<'de> Deserialize<'de> for Present {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        serde::de::IgnoredAny::deserialize(d).map(|_| Present(true))
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -224,6 +238,18 @@ mod tests {
         );
         let v = parse_request(r#"{"messages":[{"role":"user","content":7}]}"#).unwrap();
         assert!(ContentText::parse(v.messages.unwrap()[0].content).is_err());
+    }
+
+    #[test]
+    fn a_router_only_field_is_seen_whatever_its_value() {
+        for body in [
+            r#"{"prompt":"x","kv_transfer_params":{"do_remote_prefill":true}}"#,
+            r#"{"prompt":"x","kv_transfer_params":null}"#,
+        ] {
+            assert!(parse_request(body).unwrap().kv_transfer_params.0, "{body}");
+        }
+        let v = parse_request(r#"{"prompt":"kv_transfer_params"}"#).unwrap();
+        assert!(!v.kv_transfer_params.0);
     }
 
     #[test]

@@ -35,6 +35,41 @@ impl<'de> serde::Deserialize<'de> for TopLevel<'de> {
     }
 }
 
+/// Top-level fields only the router may set: they steer a node's KV connector
+/// (vLLM's NIXL `kv_transfer_params` makes a node hold, send or fetch KV from a
+/// host of the sender's choosing). Removed from every client body and from
+/// every answer the client sees.
+pub const ROUTER_ONLY_FIELDS: [&str; 1] = ["kv_transfer_params"];
+
+/// The edits that drop the router-only fields a client body carries.
+pub fn drop_router_fields(
+    view: &ppd_core::request::RequestView<'_>,
+) -> impl Iterator<Item = Edit<'static>> {
+    view.kv_transfer_params
+        .0
+        .then_some(Edit::Remove(ROUTER_ONLY_FIELDS[0]))
+        .into_iter()
+}
+
+/// A node's JSON answer without the router-only fields, or `None` when it has
+/// none at the top level (or is not a JSON object) and goes out unchanged.
+pub fn answer_without_router_fields(json: &[u8]) -> Option<String> {
+    use std::sync::LazyLock;
+    static NEEDLE: LazyLock<memchr::memmem::Finder<'static>> =
+        LazyLock::new(|| memchr::memmem::Finder::new(b"\"kv_transfer_params\""));
+    NEEDLE.find(json)?;
+    let text = std::str::from_utf8(json).ok()?;
+    let TopLevel(fields) = serde_json::from_str::<TopLevel<'_>>(text).ok()?;
+    if !fields
+        .iter()
+        .any(|(k, _)| ROUTER_ONLY_FIELDS.contains(&k.as_ref()))
+    {
+        return None;
+    }
+    let edits: Vec<Edit<'_>> = ROUTER_ONLY_FIELDS.iter().map(|k| Edit::Remove(k)).collect();
+    rewrite(text, &edits).ok()
+}
+
 /// One change to the top level: set a key to raw JSON, or remove it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Edit<'a> {
@@ -108,6 +143,24 @@ mod tests {
     fn duplicate_keys_collapse_to_the_last_value() {
         let out = rewrite(r#"{"k":1,"j":2,"k":3}"#, &[]).unwrap();
         assert_eq!(out, r#"{"k":3,"j":2}"#);
+    }
+
+    #[test]
+    fn answers_lose_the_router_only_fields_and_nothing_else() {
+        let answer = br#"{"id":"x","choices":[{"text":"kv_transfer_params"}],"kv_transfer_params":{"remote_host":"10.0.0.9","remote_port":5600}}"#;
+        let out = answer_without_router_fields(answer).unwrap();
+        let v: Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(
+            v,
+            json!({"id":"x","choices":[{"text":"kv_transfer_params"}]})
+        );
+        // Mentioned only inside a value: unchanged, no rewrite.
+        assert!(answer_without_router_fields(
+            br#"{"choices":[{"text":"\"kv_transfer_params\""}]}"#
+        )
+        .is_none());
+        assert!(answer_without_router_fields(br#"{"id":"x"}"#).is_none());
+        assert!(answer_without_router_fields(b"not json \"kv_transfer_params\"").is_none());
     }
 
     #[test]

@@ -2,6 +2,7 @@
 
 use axum::body::{Body, Bytes};
 use axum::extract::State;
+use axum::http::header::CONTENT_TYPE;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use std::sync::Arc;
@@ -60,6 +61,14 @@ async fn completions(
     body: Body,
 ) -> Response {
     let started = Instant::now();
+    if !is_json(headers) {
+        return openai_error(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "Content-Type must be application/json",
+            "invalid_request_error",
+            "unsupported_media_type",
+        );
+    }
     let bytes = match read_body(st, body).await {
         Ok(b) => b,
         Err(r) => return r,
@@ -101,6 +110,16 @@ async fn completions(
             },
         }
     }
+}
+
+/// Whether the body is declared JSON. Requiring it keeps browsers from sending
+/// a cross-site "simple" request (text/plain, form data) that needs no preflight.
+fn is_json(headers: &HeaderMap) -> bool {
+    headers
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|mime| mime.trim().eq_ignore_ascii_case("application/json"))
 }
 
 /// The body, within the configured size limit.
@@ -164,4 +183,29 @@ fn checked_view<'a>(
         }
     }
     Ok(view)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_json_bodies_are_taken() {
+        let with = |v: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(CONTENT_TYPE, v.parse().unwrap());
+            is_json(&h)
+        };
+        assert!(with("application/json"));
+        assert!(with("Application/JSON; charset=utf-8"));
+        for simple in [
+            "text/plain",
+            "application/x-www-form-urlencoded",
+            "multipart/form-data; boundary=x",
+            "application/jsonx",
+        ] {
+            assert!(!with(simple), "{simple}");
+        }
+        assert!(!is_json(&HeaderMap::new()));
+    }
 }

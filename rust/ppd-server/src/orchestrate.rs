@@ -10,7 +10,7 @@ use std::time::Instant;
 use ppd_core::request::RequestView;
 use ppd_core::Path;
 
-use crate::body::{rewrite, Edit};
+use crate::body::{drop_router_fields, rewrite, Edit};
 use crate::bookkeeping::{count, upstream_error, Counted, Ticket};
 use crate::connector::prefill_body;
 use crate::error::{invalid_request, openai_error, unavailable};
@@ -41,13 +41,10 @@ pub(crate) async fn run(call: &Call<'_>, plan: &Plan) -> Result<Response, Unreac
     let run = Run { call, plan };
     match &plan.target {
         Target::Local(d) | Target::Replica(d) => {
-            run.forward(
-                None,
-                Arc::clone(d),
-                usage_edit(call.text, call.view).into_iter().collect(),
-                None,
-            )
-            .await
+            let edits = drop_router_fields(call.view)
+                .chain(usage_edit(call.text, call.view))
+                .collect();
+            run.forward(None, Arc::clone(d), edits, None).await
         }
         Target::Pd(d) => Ok(run.pd(Arc::clone(d)).await),
         Target::Unavailable(why) => {
@@ -80,8 +77,11 @@ impl Run<'_> {
         let connector = st.connector.as_ref();
         let ask_usage = usage_edit(self.call.text, self.call.view);
         if !connector.prefills() {
+            let edits = drop_router_fields(self.call.view)
+                .chain(ask_usage)
+                .collect();
             return self
-                .forward(None, Arc::clone(&d), ask_usage.into_iter().collect(), None)
+                .forward(None, Arc::clone(&d), edits, None)
                 .await
                 .unwrap_or_else(|Unreachable| self.fail(StatusCode::BAD_GATEWAY, unreachable(&d)));
         }
@@ -114,7 +114,10 @@ impl Run<'_> {
                 Ok(answer) => match connector.handoff(&answer) {
                     Ok(handoff) => {
                         st.registry.record_success(&p);
-                        let edits = handoff.into_iter().chain(ask_usage).collect();
+                        let edits = drop_router_fields(self.call.view)
+                            .chain(handoff)
+                            .chain(ask_usage)
+                            .collect();
                         return self
                             .forward(Some(p), Arc::clone(&d), edits, Some(rid))
                             .await

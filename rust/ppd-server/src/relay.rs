@@ -12,9 +12,10 @@ use std::time::{Duration, Instant};
 
 use ppd_core::Route;
 
+use crate::body::answer_without_router_fields;
 use crate::bookkeeping::{Counted, Ticket};
 use crate::registry::{InflightGuard, Node};
-use crate::sse::{classify, EventKind, EventSplitter, Usage};
+use crate::sse::{classify, without_router_fields, EventKind, EventSplitter, Pass, Usage};
 use crate::upstream::read_all;
 
 /// Marks the answer as routed and says how: `x-ppd-path`, `x-ppd-reason`,
@@ -57,6 +58,7 @@ pub(crate) async fn whole(
     let end = Instant::now();
     ticket.finish(usage, Some(end), end);
     drop(inflight);
+    let bytes = answer_without_router_fields(&bytes).map_or(bytes, Bytes::from);
     let mut r = Response::new(Body::from(bytes));
     r.headers_mut().insert(
         CONTENT_TYPE,
@@ -133,7 +135,7 @@ impl Relay {
                 EventKind::UsageOnly(u) => {
                     *usage = Some(u);
                     if *drop_usage {
-                        return false;
+                        return Pass::Drop;
                     }
                 }
                 EventKind::Data { usage: u } => {
@@ -151,7 +153,7 @@ impl Relay {
                 }
                 EventKind::Done | EventKind::Other => {}
             }
-            true
+            without_router_fields(ev).map_or(Pass::Keep, Pass::Replace)
         })
     }
 

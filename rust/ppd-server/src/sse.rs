@@ -111,6 +111,22 @@ pub fn classify(event: &[u8]) -> EventKind {
     }
 }
 
+/// What the relay does with one event.
+pub enum Pass {
+    Keep,
+    Drop,
+    /// Send these bytes (a whole event) instead.
+    Replace(Bytes),
+}
+
+/// An event whose data is a JSON object with router-only fields, rewritten
+/// without them; `None` for every other event (sent as it came).
+pub fn without_router_fields(event: &[u8]) -> Option<Bytes> {
+    let data = single_data_line(event)?;
+    let clean = crate::body::answer_without_router_fields(data)?;
+    Some(Bytes::from(format!("data: {clean}\n\n")))
+}
+
 /// Accumulates bytes and yields complete events (each with its blank-line terminator).
 #[derive(Default)]
 pub struct EventSplitter {
@@ -157,15 +173,18 @@ impl EventSplitter {
         Some(self.buf.split_to(end).freeze())
     }
 
-    /// All complete events in the buffer for which `keep` says yes, as one
-    /// buffer. When every event is kept (a stream's usual chunk) the bytes are
-    /// handed on without a copy. `None` when nothing is to be sent.
-    pub fn take_events(&mut self, mut keep: impl FnMut(&[u8]) -> bool) -> Option<Bytes> {
+    /// All complete events in the buffer, each kept, dropped or replaced as
+    /// `pass` says, as one buffer. When every event is kept (a stream's usual
+    /// chunk) the bytes are handed on without a copy. `None` when nothing is to
+    /// be sent.
+    pub fn take_events(&mut self, mut pass: impl FnMut(&[u8]) -> Pass) -> Option<Bytes> {
         let mut end = 0;
-        let mut dropped: Vec<(usize, usize)> = Vec::new();
+        let mut changed: Vec<(usize, usize, Option<Bytes>)> = Vec::new();
         while let Some(next) = self.boundary_from(end) {
-            if !keep(&self.buf[end..next]) {
-                dropped.push((end, next));
+            match pass(&self.buf[end..next]) {
+                Pass::Keep => {}
+                Pass::Drop => changed.push((end, next, None)),
+                Pass::Replace(b) => changed.push((end, next, Some(b))),
             }
             end = next;
         }
@@ -174,13 +193,16 @@ impl EventSplitter {
         }
         self.searched = self.searched.saturating_sub(end);
         let all = self.buf.split_to(end).freeze();
-        if dropped.is_empty() {
+        if changed.is_empty() {
             return Some(all);
         }
         let mut out = BytesMut::with_capacity(end);
         let mut at = 0;
-        for (a, b) in dropped {
+        for (a, b, with) in changed {
             out.extend_from_slice(&all[at..a]);
+            if let Some(with) = with {
+                out.extend_from_slice(&with);
+            }
             at = b;
         }
         out.extend_from_slice(&all[at..]);
@@ -246,17 +268,39 @@ mod tests {
         let mut s = EventSplitter::default();
         s.push(b"data: {\"choices\":[1]}\n\ndata: {\"choices\":[],\"usage\":{}}\n\ndata: [DO");
         let out = s
-            .take_events(|ev| !ev.starts_with(b"data: {\"choices\":[]"))
+            .take_events(|ev| {
+                if ev.starts_with(b"data: {\"choices\":[]") {
+                    Pass::Drop
+                } else {
+                    Pass::Keep
+                }
+            })
             .unwrap();
         assert_eq!(&out[..], b"data: {\"choices\":[1]}\n\n");
-        assert!(s.take_events(|_| true).is_none());
+        assert!(s.take_events(|_| Pass::Keep).is_none());
         s.push(b"NE]\n");
-        assert!(s.take_events(|_| true).is_none());
+        assert!(s.take_events(|_| Pass::Keep).is_none());
         s.push(b"\n");
-        assert_eq!(&s.take_events(|_| true).unwrap()[..], b"data: [DONE]\n\n");
+        assert_eq!(
+            &s.take_events(|_| Pass::Keep).unwrap()[..],
+            b"data: [DONE]\n\n"
+        );
         s.push(b"data: x\n\n");
-        assert!(s.take_events(|_| false).is_none());
+        assert!(s.take_events(|_| Pass::Drop).is_none());
         assert!(s.take_rest().is_none());
+    }
+
+    #[test]
+    fn router_only_fields_are_cut_out_of_stream_chunks() {
+        let mut s = EventSplitter::default();
+        s.push(b"data: {\"choices\":[1],\"kv_transfer_params\":{\"remote_host\":\"h\"}}\n\ndata: {\"choices\":[2]}\n\n");
+        let out = s
+            .take_events(|ev| without_router_fields(ev).map_or(Pass::Keep, Pass::Replace))
+            .unwrap();
+        assert_eq!(
+            &out[..],
+            b"data: {\"choices\":[1]}\n\ndata: {\"choices\":[2]}\n\n"
+        );
     }
 
     /// The splitter and classifier before they were tuned, as references.
@@ -357,7 +401,7 @@ mod tests {
                 got.push(e.to_vec());
             }
             s.push(&all[cut..]);
-            if let Some(b) = s.take_events(|_| true) {
+            if let Some(b) = s.take_events(|_| Pass::Keep) {
                 let mut b: &[u8] = &b;
                 while let Some(end) = boundary_reference(b) {
                     got.push(b[..end].to_vec());

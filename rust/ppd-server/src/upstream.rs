@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use ppd_core::Role;
 
+use crate::body::answer_without_router_fields;
 use crate::bookkeeping::upstream_error;
 use crate::error::openai_error;
 use crate::registry::{InflightGuard, Node};
@@ -141,6 +142,7 @@ pub(crate) async fn read_all(st: &AppState, resp: reqwest::Response) -> Option<B
 /// An upstream error answer, passed on with its status; a body that is not
 /// JSON is wrapped in an OpenAI-style error.
 fn passthrough(status: StatusCode, bytes: Bytes) -> Response {
+    let bytes = answer_without_router_fields(&bytes).map_or(bytes, Bytes::from);
     if serde_json::from_slice::<serde::de::IgnoredAny>(&bytes).is_ok() {
         return (status, [("content-type", "application/json")], bytes).into_response();
     }

@@ -12,7 +12,7 @@ use std::borrow::Cow;
 
 use ppd_core::request::RequestView;
 
-use crate::body::{rewrite, Edit};
+use crate::body::{drop_router_fields, rewrite, Edit};
 use crate::config::KvProtocol;
 use crate::registry::Node;
 
@@ -59,12 +59,13 @@ pub(crate) fn prefill_body(
     text: &str,
     view: &RequestView<'_>,
 ) -> Result<String, serde_json::Error> {
-    let mut edits = vec![
+    let mut edits: Vec<Edit<'_>> = drop_router_fields(view).collect();
+    edits.extend([
         Edit::Set("stream", Cow::Borrowed("false")),
         Edit::Set("max_tokens", Cow::Borrowed("1")),
         Edit::Remove("stream_options"),
         Edit::Remove("min_tokens"),
-    ];
+    ]);
     if view.max_completion_tokens.is_some() {
         edits.push(Edit::Set("max_completion_tokens", Cow::Borrowed("1")));
     }
@@ -94,6 +95,17 @@ mod tests {
             assert!(v.get("stream_options").is_none() && v.get("min_tokens").is_none());
             assert_eq!(v["messages"][0]["content"], "x");
         }
+    }
+
+    #[test]
+    fn a_clients_kv_transfer_params_never_reach_p() {
+        let body = r#"{"kv_transfer_params":{"do_remote_prefill":true,"remote_host":"evil","remote_port":1},"messages":[{"role":"user","content":"x"}]}"#;
+        assert!(prefill(KvProtocol::P2pNccl, body)
+            .get("kv_transfer_params")
+            .is_none());
+        let v = prefill(KvProtocol::Nixl, body);
+        assert_eq!(v["kv_transfer_params"]["do_remote_decode"], true);
+        assert!(v["kv_transfer_params"]["remote_host"].is_null());
     }
 
     #[test]
