@@ -183,7 +183,9 @@ class SessionInfo(TypedDict):
 
 @final
 class SessionTable:
-    def __new__(cls, ttl_s: float = 3600.0, capacity: int = 1_000_000, shards: int = 64) -> Self: ...
+    def __new__(
+        cls, ttl_s: float = 3600.0, capacity: int = 1_000_000, shards: int = 64, max_bytes: int = 268_435_456
+    ) -> Self: ...
     def get(self, conversation_id: str, now: Optional[float] = None) -> Optional[SessionInfo]: ...
     def record_turn(
         self,

@@ -34,6 +34,7 @@ _SCALARS: dict[str, tuple[type, str]] = {
     "admin_token": (str, "bearer token of the admin API (disabled without it)"),
     "session_ttl": (float, "session idle TTL in seconds (default 3600)"),
     "session_capacity": (int, "live sessions kept at most (default 1000000)"),
+    "session_max_bytes": (int, "memory the session table may take, ids included, in bytes (default 256 MiB)"),
     "request_timeout": (float, "whole-request limit in seconds (default 600)"),
     "prefill_timeout": (float, "limit for P's prefill in seconds (default 120)"),
     "connect_timeout": (float, "upstream connect limit in seconds (default 5)"),
@@ -51,12 +52,22 @@ _SCALARS: dict[str, tuple[type, str]] = {
     "worker_threads": (int, "router I/O threads (default 0 = one per core)"),
     "runtime": (str, "thread-per-core (default: a request stays on its thread) or work-stealing"),
     "log": (str, "log filter (default warn)"),
+    "first_token_timeout": (
+        float,
+        "longest wait for a streamed answer's first token in seconds; past it the node counts as failed "
+        "and the request is retried once elsewhere (default 60)",
+    ),
+}
+# On/off settings: the flag turns them on (the file may too).
+_SWITCHES = {
+    "expose_node_header": "send each answer's node address in x-ppd-node (internal; off by default)",
 }
 
 
 def flag_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The settings given as flags, by TOML key; they override the file's (``--config``), which Rust reads."""
-    return {key: value for key in list(_LISTS) + list(_SCALARS) if (value := getattr(args, key, None)) is not None}
+    keys = [*_LISTS, *_SCALARS, *_SWITCHES]
+    return {key: value for key in keys if (value := getattr(args, key, None)) is not None}
 
 
 def build_router(args: argparse.Namespace, extra: Optional[dict[str, Any]] = None) -> Router:
@@ -109,6 +120,8 @@ def add_settings_flags(p: argparse.ArgumentParser, node_lists: bool = True) -> N
     for key, (typ, help_text) in _SCALARS.items():
         if node_lists or key not in _NODE_SETTINGS:
             p.add_argument("--" + key.replace("_", "-"), type=typ, default=None, help=help_text)
+    for key, help_text in _SWITCHES.items():
+        p.add_argument("--" + key.replace("_", "-"), action="store_const", const=True, default=None, help=help_text)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

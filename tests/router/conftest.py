@@ -100,7 +100,8 @@ def start_cluster(layout: dict[str, int], **cfg: Any) -> Cluster:
             nodes[kind] = [start_node(roles[kind]) for _ in range(n)]
         keys = {"P": "prefill", "pD": "pd_capable", "D": "decode", "R": "replica"}
         settings: dict[str, Any] = {keys[k]: [n.url for n in v] for k, v in nodes.items()}
-        settings.update({"port": free_port(), "admin_token": "secret", "health_interval": 0.5, **cfg})
+        settings.update({"port": free_port(), "admin_token": "secret", "health_interval": 0.5,
+                         "expose_node_header": True, **cfg})
         router = Router(json.dumps(settings))
         url = router.start()
     except Exception:

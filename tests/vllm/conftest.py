@@ -108,7 +108,7 @@ class Tier:
 def tier(vllm_nodes: VllmCluster, tiny_model: Path) -> Iterator[Tier]:
     settings = {**vllm_nodes.router_nodes(), "port": free_port(), "admin_token": ADMIN, "policy": "local",
                 "tokenizer": str(tiny_model / "tokenizer.json"), "health_interval": 0.5,
-                "request_timeout": 120}
+                "request_timeout": 120, "expose_node_header": True}
     router = Router(json.dumps(settings))
     url = router.start()
     t = Tier(vllm_nodes, router, url)

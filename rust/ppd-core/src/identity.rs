@@ -13,6 +13,10 @@ use crate::tokens::{
 /// no id is given: the first paragraph (up to a blank line), at most this long.
 pub const COMPLETION_ID_BLOCK_BYTES: usize = 1024;
 
+/// Longest conversation id kept as given; a longer one is replaced by its hash,
+/// so an id costs bounded memory in the session table and in `x-ppd-session`.
+pub const MAX_ID_BYTES: usize = 256;
+
 /// Where the conversation id came from (first match wins, in this order).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IdSource {
@@ -20,6 +24,8 @@ pub enum IdSource {
     ConversationId,
     SessionId,
     FirstUserMessage,
+    /// A chat without user messages (system only): its first message.
+    FirstMessage,
     PromptBlock,
 }
 
@@ -30,6 +36,7 @@ impl IdSource {
             IdSource::ConversationId => "conversation_id",
             IdSource::SessionId => "session_id",
             IdSource::FirstUserMessage => "first_user_message",
+            IdSource::FirstMessage => "first_message",
             IdSource::PromptBlock => "prompt_block",
         }
     }
@@ -81,6 +88,21 @@ fn non_empty(s: Option<&str>) -> Option<&str> {
     s.map(str::trim).filter(|s| !s.is_empty())
 }
 
+/// A client's id as the session key: control characters are refused (they
+/// would end up in logs and headers), and an id longer than [`MAX_ID_BYTES`]
+/// is replaced by `md5:` and its hash.
+fn explicit_id(id: &str) -> Result<String, Error> {
+    if id.chars().any(char::is_control) {
+        return Err(Error::BadRequest(
+            "the conversation id must not contain control characters".into(),
+        ));
+    }
+    if id.len() > MAX_ID_BYTES {
+        return Ok(format!("md5:{}", md5_hex(id)));
+    }
+    Ok(id.to_owned())
+}
+
 /// Identifies the conversation: `X-Session-ID` header, body `conversation_id`,
 /// body `session_id`, else MD5 of the first user message (paper B.3), or for a
 /// plain prompt a hash of its first block.
@@ -98,19 +120,24 @@ pub fn conversation_id(
     ];
     if let Some((Some(id), source)) = given.into_iter().find(|(id, _)| id.is_some()) {
         return Ok(ConversationId {
-            id: id.to_owned(),
+            id: explicit_id(id)?,
             source,
         });
     }
     if let Some(messages) = &req.messages {
-        let first_user = messages
-            .iter()
-            .find(|m| m.role == "user")
-            .ok_or_else(|| Error::BadRequest("messages contain no user message".into()))?;
-        let text = ContentText::parse(first_user.content)?;
+        let (first, source) = match messages.iter().find(|m| m.role == "user") {
+            Some(m) => (m, IdSource::FirstUserMessage),
+            None => (
+                messages
+                    .first()
+                    .ok_or_else(|| Error::BadRequest("messages must not be empty".into()))?,
+                IdSource::FirstMessage,
+            ),
+        };
+        let text = ContentText::parse(first.content)?;
         return Ok(ConversationId {
             id: md5_hex(&text.joined()),
-            source: IdSource::FirstUserMessage,
+            source,
         });
     }
     let raw = req
@@ -178,7 +205,7 @@ pub fn features(
             }
         }
     }
-    let (n_out, out_source) = match req.max_completion_tokens.or(req.max_tokens) {
+    let (n_out, out_source) = match req.output_limit() {
         Some(n) => (u32::try_from(n).unwrap_or(u32::MAX), OutSource::Request),
         None => match session.and_then(Session::mean_output_tokens) {
             Some(mean) => (mean, OutSource::SessionMean),
@@ -195,17 +222,15 @@ pub fn features(
     })
 }
 
-/// Turn = number of user messages; n_in = tokens after the last assistant
-/// message (with the generation prompt); n_ctx = tokens before them.
+/// Turn = number of user messages (a chat without any, e.g. system only, is a
+/// Turn 1); n_in = tokens after the last assistant message (with the
+/// generation prompt); n_ctx = tokens before them.
 fn chat_counts(
     messages: &[crate::request::MessageView<'_>],
     counter: &dyn TokenCounter,
 ) -> Result<(u32, u32, u32), Error> {
-    let turn =
-        u32::try_from(messages.iter().filter(|m| m.role == "user").count()).unwrap_or(u32::MAX);
-    if turn == 0 {
-        return Err(Error::BadRequest("messages contain no user message".into()));
-    }
+    let users = messages.iter().filter(|m| m.role == "user").count();
+    let turn = u32::try_from(users.max(1)).unwrap_or(u32::MAX);
     let split = messages
         .iter()
         .rposition(|m| m.role == "assistant")
@@ -376,9 +401,38 @@ mod tests {
     }
 
     #[test]
-    fn no_user_message_is_a_bad_request() {
+    fn a_system_only_chat_is_a_first_turn_named_by_its_first_message() {
+        // vLLM and OpenAI answer these; the router must not refuse them.
         let body = chat(&[("system", "x")]);
-        assert!(features(&parse_request(&body).unwrap(), &WordRule, None, 1).is_err());
-        assert!(conversation_id(None, &parse_request(&body).unwrap()).is_err());
+        let f = features(&parse_request(&body).unwrap(), &WordRule, None, 1).unwrap();
+        assert_eq!(f.turn, 1);
+        let id = conversation_id(None, &parse_request(&body).unwrap()).unwrap();
+        assert_eq!((id.id, id.source), (md5_hex("x"), IdSource::FirstMessage));
+        let empty = r#"{"messages":[]}"#;
+        assert!(conversation_id(None, &parse_request(empty).unwrap()).is_err());
+    }
+
+    #[test]
+    fn client_ids_are_bounded_and_free_of_control_characters() {
+        let body = chat(&[("user", "x")]);
+        let v = parse_request(&body).unwrap();
+        let long = "a".repeat(4 * 1024 * 1024);
+        let id = conversation_id(Some(&long), &v).unwrap();
+        assert_eq!(id.id, format!("md5:{}", md5_hex(&long)));
+        assert!(id.id.len() <= MAX_ID_BYTES);
+        let exact = "b".repeat(MAX_ID_BYTES);
+        assert_eq!(conversation_id(Some(&exact), &v).unwrap().id, exact);
+        for bad in ["a\r\nx-injected: 1", "nul\0", "tab\tinside"] {
+            let e = conversation_id(Some(bad), &v).unwrap_err().to_string();
+            assert!(e.contains("control characters"), "{bad:?}: {e}");
+        }
+        let body = format!(
+            r#"{{"conversation_id":"{}","messages":[{{"role":"user","content":"x"}}]}}"#,
+            "c".repeat(300)
+        );
+        assert!(conversation_id(None, &parse_request(&body).unwrap())
+            .unwrap()
+            .id
+            .starts_with("md5:"));
     }
 }

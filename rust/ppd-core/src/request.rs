@@ -20,10 +20,11 @@ pub struct RequestView<'a> {
     pub conversation_id: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
     pub session_id: Option<Cow<'a, str>>,
+    /// As written; [`parse_request`] admits only whole numbers ≥ 1.
     #[serde(default)]
-    pub max_tokens: Option<u64>,
+    pub max_tokens: Option<serde_json::Number>,
     #[serde(default)]
-    pub max_completion_tokens: Option<u64>,
+    pub max_completion_tokens: Option<serde_json::Number>,
     #[serde(default)]
     pub stream: Option<bool>,
     #[serde(default)]
@@ -51,6 +52,14 @@ pub struct StreamOptionsView {
 }
 
 impl RequestView<'_> {
+    /// The output limit the client set: `max_completion_tokens`, else `max_tokens`.
+    pub fn output_limit(&self) -> Option<u64> {
+        self.max_completion_tokens
+            .as_ref()
+            .or(self.max_tokens.as_ref())
+            .and_then(serde_json::Number::as_u64)
+    }
+
     pub fn is_stream(&self) -> bool {
         self.stream.unwrap_or(false)
     }
@@ -193,6 +202,18 @@ pub fn parse_request(body: &str) -> Result<RequestView<'_>, Error> {
             "body has neither `messages` nor `prompt`".into(),
         ));
     }
+    for (name, n) in [
+        ("max_tokens", &view.max_tokens),
+        ("max_completion_tokens", &view.max_completion_tokens),
+    ] {
+        if let Some(n) = n {
+            if n.as_u64().is_none_or(|v| v < 1) {
+                return Err(Error::BadRequest(format!(
+                    "{name} must be a whole number of at least 1, got {n}"
+                )));
+            }
+        }
+    }
     Ok(view)
 }
 
@@ -231,11 +252,27 @@ mod tests {
     fn bad_bodies_are_rejected_with_reasons() {
         assert!(parse_request("not json").is_err());
         assert!(parse_request("{}").is_err());
-        let e = parse_request(r#"{"messages":[],"max_tokens":-3}"#).unwrap_err();
-        assert!(
-            e.to_string().contains("max_tokens") || e.to_string().contains("invalid"),
-            "{e}"
-        );
+        for (body, said) in [
+            (
+                r#"{"messages":[],"max_tokens":-3}"#,
+                "max_tokens must be a whole number of at least 1, got -3",
+            ),
+            (
+                r#"{"messages":[],"max_tokens":0}"#,
+                "max_tokens must be a whole number of at least 1, got 0",
+            ),
+            (
+                r#"{"prompt":"x","max_completion_tokens":2.5}"#,
+                "max_completion_tokens must be a whole number of at least 1, got 2.5",
+            ),
+        ] {
+            let e = parse_request(body).unwrap_err().to_string();
+            // A plain message: no serde position ("at line 1 column …").
+            assert_eq!(e, format!("bad request: {said}"));
+        }
+        let v =
+            parse_request(r#"{"prompt":"x","max_tokens":7,"max_completion_tokens":9}"#).unwrap();
+        assert_eq!(v.output_limit(), Some(9));
         let v = parse_request(r#"{"messages":[{"role":"user","content":7}]}"#).unwrap();
         assert!(ContentText::parse(v.messages.unwrap()[0].content).is_err());
     }

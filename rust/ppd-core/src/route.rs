@@ -86,10 +86,15 @@ pub enum Reason {
     HybridReplica,
     /// The conversation lives on a replica, which holds its KV.
     ReplicaSession,
+    /// No prefill node can take the pd path: its D computes the whole prompt itself.
+    PUnavailable,
+    /// A node failed before the answer's first byte reached the client; this is
+    /// the one retry, on another node of the same path.
+    NodeFailed,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 13] = [
+    pub const ALL: [Reason; 15] = [
         Reason::Turn1,
         Reason::NoSession,
         Reason::DUnavailable,
@@ -103,6 +108,8 @@ impl Reason {
         Reason::DecodeOnly,
         Reason::HybridReplica,
         Reason::ReplicaSession,
+        Reason::PUnavailable,
+        Reason::NodeFailed,
     ];
     pub fn as_str(self) -> &'static str {
         match self {
@@ -119,6 +126,8 @@ impl Reason {
             Reason::DecodeOnly => "d_decode_only",
             Reason::HybridReplica => "hybrid_replica",
             Reason::ReplicaSession => "replica_session",
+            Reason::PUnavailable => "p_unavailable",
+            Reason::NodeFailed => "node_failed",
         }
     }
 }

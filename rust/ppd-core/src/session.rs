@@ -131,6 +131,9 @@ pub struct SessionConfig {
     pub capacity: usize,
     /// Number of independently locked shards (rounded up to a power of two).
     pub shards: usize,
+    /// Memory the sessions may take, keys included ([`ENTRY_OVERHEAD_BYTES`]
+    /// + the id's length each); beyond it the least recently used go.
+    pub max_bytes: usize,
 }
 
 impl Default for SessionConfig {
@@ -139,12 +142,22 @@ impl Default for SessionConfig {
             ttl_ms: 60 * 60 * 1000,
             capacity: 1_000_000,
             shards: 64,
+            max_bytes: 256 * 1024 * 1024,
         }
     }
 }
 
-/// Counters since the table was created.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// What one session costs besides its id's bytes: the entry, the LRU links
+/// and the hash slot (1M sessions with ~20-byte ids measured 164 B each,
+/// bench/results/core.md).
+pub const ENTRY_OVERHEAD_BYTES: usize = 144;
+
+fn footprint(id_len: usize) -> usize {
+    id_len + ENTRY_OVERHEAD_BYTES
+}
+
+/// Counters since the table was created (one JSON shape for the admin API and Python).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct SessionStats {
     pub live: u64,
     pub created: u64,
@@ -152,6 +165,8 @@ pub struct SessionStats {
     pub evicted_lru: u64,
     pub removed: u64,
     pub reassigned: u64,
+    /// Memory the live sessions take, as counted against `max_bytes`.
+    pub bytes: u64,
 }
 
 #[derive(Default)]
@@ -172,6 +187,9 @@ pub struct SessionTable {
     /// Sessions held over all shards; the capacity bound is global, so an
     /// unevenly hashed shard does not evict while others have room.
     live: AtomicUsize,
+    /// Their footprint; bounded by `max_bytes` like `live` by `capacity`.
+    bytes: AtomicUsize,
+    max_bytes: usize,
     ttl_ms: u64,
     picker: ahash::RandomState,
     counters: Counters,
@@ -189,6 +207,12 @@ impl SessionTable {
                 "session TTL must be positive".into(),
             ));
         }
+        if config.max_bytes < footprint(0) {
+            return Err(crate::error::Error::Config(format!(
+                "session memory must hold at least one session ({} bytes)",
+                footprint(0)
+            )));
+        }
         let n = config
             .shards
             .clamp(1, 4096)
@@ -205,6 +229,8 @@ impl SessionTable {
             shard_mask: n - 1,
             capacity: config.capacity,
             live: AtomicUsize::new(0),
+            bytes: AtomicUsize::new(0),
+            max_bytes: config.max_bytes,
             ttl_ms: config.ttl_ms,
             picker: ahash::RandomState::with_seeds(5, 6, 7, 8),
             counters: Counters::default(),
@@ -230,7 +256,7 @@ impl SessionTable {
         let s = shard.get_mut(id)?;
         if self.expired(s, now_ms) {
             shard.pop(id);
-            self.live.fetch_sub(1, Ordering::AcqRel);
+            self.gone(id.len());
             self.counters.expired.fetch_add(1, Ordering::Relaxed);
             return None;
         }
@@ -255,8 +281,20 @@ impl SessionTable {
             }
             Some(_) => false,
             None => {
-                if self.live.fetch_add(1, Ordering::AcqRel) >= self.capacity {
+                let over_count = self.live.fetch_add(1, Ordering::AcqRel) >= self.capacity;
+                let size = footprint(id.len());
+                let bytes = self.bytes.fetch_add(size, Ordering::AcqRel) + size;
+                if over_count {
                     self.evict_one(&mut shard);
+                }
+                // A long id may need several short ones to make room; each
+                // round either frees one or finds every shard busy.
+                let mut over = bytes.saturating_sub(self.max_bytes);
+                while over > 0 {
+                    match self.evict_one(&mut shard) {
+                        Some(freed) => over = over.saturating_sub(freed),
+                        None => break,
+                    }
                 }
                 shard.put(id.into(), Session::new(now_ms));
                 true
@@ -298,25 +336,33 @@ impl SessionTable {
         (s, before)
     }
 
+    /// A session with an id of `id_len` bytes left the table.
+    fn gone(&self, id_len: usize) {
+        self.live.fetch_sub(1, Ordering::AcqRel);
+        self.bytes.fetch_sub(footprint(id_len), Ordering::AcqRel);
+    }
+
     /// Makes room for one session: the LRU of the inserting shard, else of the
     /// first other shard that is free to lock (never waiting, so no lock order
     /// can deadlock; a miss leaves the table one over until the next insert).
-    fn evict_one(&self, own: &mut Shard) {
-        let popped = own.pop_lru().is_some()
-            || self
-                .shards
-                .iter()
-                .any(|other| other.try_lock().is_some_and(|mut o| o.pop_lru().is_some()));
-        if popped {
-            self.live.fetch_sub(1, Ordering::AcqRel);
-            self.counters.evicted_lru.fetch_add(1, Ordering::Relaxed);
-        }
+    /// Returns the bytes freed.
+    fn evict_one(&self, own: &mut Shard) -> Option<usize> {
+        let key_len = own.pop_lru().map(|(k, _)| k.len()).or_else(|| {
+            self.shards.iter().find_map(|other| {
+                other
+                    .try_lock()
+                    .and_then(|mut o| o.pop_lru().map(|(k, _)| k.len()))
+            })
+        })?;
+        self.gone(key_len);
+        self.counters.evicted_lru.fetch_add(1, Ordering::Relaxed);
+        Some(footprint(key_len))
     }
 
     pub fn remove(&self, id: &str) -> Option<Session> {
         let s = self.shard(id).lock().pop(id);
         if s.is_some() {
-            self.live.fetch_sub(1, Ordering::AcqRel);
+            self.gone(id.len());
             self.counters.removed.fetch_add(1, Ordering::Relaxed);
         }
         s
@@ -332,11 +378,12 @@ impl SessionTable {
                 if !self.expired(s, now_ms) {
                     break;
                 }
-                shard.pop_lru();
+                if let Some((k, _)) = shard.pop_lru() {
+                    self.gone(k.len());
+                }
                 n += 1;
             }
         }
-        self.live.fetch_sub(n, Ordering::AcqRel);
         self.counters.expired.fetch_add(n as u64, Ordering::Relaxed);
         n
     }
@@ -420,6 +467,7 @@ impl SessionTable {
             evicted_lru: c.evicted_lru.load(Ordering::Relaxed),
             removed: c.removed.load(Ordering::Relaxed),
             reassigned: c.reassigned.load(Ordering::Relaxed),
+            bytes: self.bytes.load(Ordering::Relaxed) as u64,
         }
     }
 }
@@ -435,6 +483,7 @@ mod tests {
             ttl_ms,
             capacity,
             shards,
+            ..SessionConfig::default()
         })
         .unwrap()
     }
@@ -617,6 +666,37 @@ mod tests {
             .sum();
         assert_eq!(total, 4 * 2000);
         assert_eq!(t.len(), 100 + 4 * 2000);
+    }
+
+    #[test]
+    fn memory_is_bounded_as_well_as_entries() {
+        let room = 20 * footprint(10);
+        let t = SessionTable::new(SessionConfig {
+            ttl_ms: u64::MAX,
+            capacity: 1_000_000,
+            shards: 4,
+            max_bytes: room,
+        })
+        .unwrap();
+        for i in 0..100 {
+            t.update(&format!("id-{i:06}"), i, |_| {});
+            assert!(t.stats().bytes as usize <= room, "{i}: {:?}", t.stats());
+        }
+        assert_eq!(t.len(), 20);
+        // A long id evicts as many short ones as it needs.
+        t.update(&"x".repeat(200), 1000, |_| {});
+        let s = t.stats();
+        assert!(s.bytes as usize <= room && t.len() < 20, "{s:?}");
+        assert_eq!(
+            s.bytes as usize,
+            t.page(0, 100)
+                .iter()
+                .map(|(k, _)| footprint(k.len()))
+                .sum::<usize>()
+        );
+        t.remove(&"x".repeat(200));
+        t.evict_expired(u64::MAX);
+        assert_eq!(t.stats().bytes as usize, t.len() * footprint(9));
     }
 
     #[test]

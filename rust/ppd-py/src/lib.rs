@@ -469,8 +469,8 @@ impl SessionTable {
 #[pymethods]
 impl SessionTable {
     #[new]
-    #[pyo3(signature = (ttl_s = 3600.0, capacity = 1_000_000, shards = 64))]
-    fn new(ttl_s: f64, capacity: usize, shards: usize) -> PyResult<Self> {
+    #[pyo3(signature = (ttl_s = 3600.0, capacity = 1_000_000, shards = 64, max_bytes = 256 * 1024 * 1024))]
+    fn new(ttl_s: f64, capacity: usize, shards: usize, max_bytes: usize) -> PyResult<Self> {
         if !ttl_s.is_finite() || ttl_s <= 0.0 {
             return Err(errors::config(format!(
                 "ttl_s must be a positive number of seconds, got {ttl_s}"
@@ -480,6 +480,7 @@ impl SessionTable {
             ttl_ms: (ttl_s * 1000.0).max(1.0) as u64,
             capacity,
             shards,
+            max_bytes,
         };
         let inner = ppd_core::session::SessionTable::new(cfg).map_err(to_py)?;
         Ok(SessionTable {
@@ -582,16 +583,9 @@ impl SessionTable {
         Ok(out.unbind())
     }
 
-    fn stats(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
-        let s = self.inner.stats();
-        let d = PyDict::new(py);
-        d.set_item("live", s.live)?;
-        d.set_item("created", s.created)?;
-        d.set_item("expired", s.expired)?;
-        d.set_item("evicted_lru", s.evicted_lru)?;
-        d.set_item("removed", s.removed)?;
-        d.set_item("reassigned", s.reassigned)?;
-        Ok(d.unbind())
+    fn stats(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let text = serde_json::to_string(&self.inner.stats()).map_err(errors::run)?;
+        json_to_py(py, &text)
     }
 
     fn __len__(&self) -> usize {

@@ -208,8 +208,7 @@ async fn sessions(
 }
 
 fn session_stats(st: &AppState) -> serde_json::Value {
-    let s = st.sessions.stats();
-    json!({"live": s.live, "created": s.created, "expired": s.expired, "evicted_lru": s.evicted_lru, "removed": s.removed, "reassigned": s.reassigned})
+    serde_json::to_value(st.sessions.stats()).unwrap_or_default()
 }
 
 async fn table(State(st): State<Arc<AppState>>, h: HeaderMap) -> Response {

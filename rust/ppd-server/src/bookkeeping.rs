@@ -28,6 +28,17 @@ pub(crate) fn count(st: &AppState, route: &Route, status: u16) {
         .inc();
 }
 
+/// A routed request's final answer, counted under its route once.
+pub(crate) fn counted(
+    st: &AppState,
+    route: &Route,
+    mut resp: axum::response::Response,
+) -> axum::response::Response {
+    resp.extensions_mut().insert(Counted);
+    count(st, route, resp.status().as_u16());
+    resp
+}
+
 /// Counts a failure of a node call by the node's role and the failure's kind.
 pub(crate) fn upstream_error(st: &AppState, role: Role, kind: &'static str) {
     st.metrics

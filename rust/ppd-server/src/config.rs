@@ -93,6 +93,16 @@ pub struct RouterConfig {
     /// Router I/O threads (0: one per core).
     pub worker_threads: usize,
     pub runtime: Runtime,
+
+    // --- the request path's failure handling ---
+    /// Longest wait for a streamed answer's first token (or a node's error
+    /// before it), seconds; past it the node counts as failed and the request
+    /// is retried once elsewhere, since nothing reached the client yet.
+    pub first_token_timeout: f64,
+    /// Send each answer's node address in `x-ppd-node` (internal; off by default).
+    pub expose_node_header: bool,
+    /// Memory the session table may take, bytes (ids included; LRU beyond it).
+    pub session_max_bytes: usize,
 }
 
 impl Default for RouterConfig {
@@ -131,6 +141,9 @@ impl Default for RouterConfig {
             log: "warn".into(),
             worker_threads: 0,
             runtime: Runtime::ThreadPerCore,
+            first_token_timeout: 60.0,
+            expose_node_header: false,
+            session_max_bytes: 256 * 1024 * 1024,
         }
     }
 }
@@ -348,11 +361,18 @@ impl RouterConfig {
             ("heartbeat_timeout", self.heartbeat_timeout),
             ("breaker_open", self.breaker_open),
             ("qps_window", self.qps_window),
+            ("first_token_timeout", self.first_token_timeout),
         ] {
             positive(field, v)?;
         }
         if self.session_capacity == 0 {
             return Err(bad("session_capacity", "must be at least 1"));
+        }
+        if self.session_max_bytes < 64 << 10 {
+            return Err(bad(
+                "session_max_bytes",
+                format!("must be at least 64 KiB, got {}", self.session_max_bytes),
+            ));
         }
         if self.max_body_bytes == 0 {
             return Err(bad("max_body_bytes", "must be at least 1"));

@@ -10,10 +10,10 @@ use std::time::Instant;
 
 use ppd_core::request::{parse_request, RequestView};
 
-use crate::bookkeeping::Counted;
+use crate::bookkeeping::{counted, Counted};
 use crate::error::{invalid_request, openai_error};
-use crate::metrics::RequestLabels;
-use crate::orchestrate::{self, Call, Unreachable};
+use crate::metrics::{RequestLabels, RetryLabels};
+use crate::orchestrate::{self, Call, Retry};
 use crate::state::AppState;
 use crate::upstream::Endpoint;
 use crate::{identify, route};
@@ -98,16 +98,34 @@ async fn completions(
         n_in: id.features.n_in,
         started,
     };
+    // One retry, when a node failed before anything reached the client.
     let mut plan = plan;
+    let mut may_retry = true;
     loop {
-        match orchestrate::run(&call, &plan).await {
+        match orchestrate::run(&call, &plan, may_retry).await {
             Ok(resp) => return resp,
-            // The local pD refused the connection before anything was sent:
-            // route again knowing it is gone (never local again, so this ends).
-            Err(Unreachable) => match route::without_holder(st, &plan) {
-                Ok(p) => plan = p,
-                Err(e) => return invalid_request(e.to_string(), "invalid_request"),
-            },
+            Err(retry) => {
+                may_retry = false;
+                let cause = match retry {
+                    Retry::NodeFailed { .. } => "node_failed",
+                    Retry::NoPrefill => "no_prefill",
+                };
+                st.metrics
+                    .request_retries
+                    .get_or_create(&RetryLabels { cause })
+                    .inc();
+                plan = match retry {
+                    Retry::NodeFailed { node, answer } => {
+                        match route::after_failure(st, &plan, &node) {
+                            Ok(Some(p)) => p,
+                            // No other node: the failure is the answer.
+                            Ok(None) => return counted(st, &plan.route, answer),
+                            Err(e) => return invalid_request(e.to_string(), "invalid_request"),
+                        }
+                    }
+                    Retry::NoPrefill => route::without_prefill(st, &plan),
+                };
+            }
         }
     }
 }

@@ -26,6 +26,12 @@ pub struct NodeStateLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RetryLabels {
+    /// `node_failed` (a D, pD or R failed before the first byte) or `no_prefill`.
+    pub cause: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ErrorLabels {
     pub role: &'static str,
     pub kind: &'static str,
@@ -41,6 +47,7 @@ pub struct Metrics {
     pub kv_bytes_avoided: Counter,
     pub upstream_errors: Family<ErrorLabels, Counter>,
     pub retries: Counter,
+    pub request_retries: Family<RetryLabels, Counter>,
     pub sessions: Gauge,
     pub nodes: Family<NodeStateLabels, Gauge>,
 }
@@ -105,6 +112,12 @@ impl Metrics {
             "Prefills retried on another P after a failure before any byte",
             retries.clone(),
         );
+        let request_retries = Family::<RetryLabels, Counter>::default();
+        registry.register(
+            "request_retries",
+            "Requests routed again because a node failed before their first byte reached the client",
+            request_retries.clone(),
+        );
         let sessions = Gauge::default();
         registry.register("sessions", "Live sessions", sessions.clone());
         let nodes = Family::<NodeStateLabels, Gauge>::default();
@@ -119,6 +132,7 @@ impl Metrics {
             kv_bytes_avoided,
             upstream_errors,
             retries,
+            request_retries,
             sessions,
             nodes,
         }

@@ -1,21 +1,26 @@
-//! Orchestration: runs a planned route on its nodes — local, replica, or pd through the KV connector chosen at start-up — and returns the client's answer.
+//! Orchestration: runs a planned route on its nodes — local, replica, direct, or pd through the KV connector chosen at start-up — and returns the client's answer.
+//!
+//! A node that fails before the answer's first byte reached the client is
+//! reported back as a [`Retry`] (once per request: `may_retry`), so that the
+//! route step can place the request again; after that, or once bytes went
+//! out, the failure is the answer.
 
 use axum::body::Bytes;
 use axum::http::StatusCode;
 use axum::response::Response;
 use std::borrow::Cow;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use ppd_core::request::RequestView;
-use ppd_core::Path;
+use ppd_core::Role;
 
 use crate::body::{drop_router_fields, rewrite, Edit};
-use crate::bookkeeping::{count, upstream_error, Counted, Ticket};
+use crate::bookkeeping::{counted, upstream_error, Ticket};
 use crate::connector::prefill_body;
 use crate::error::{invalid_request, openai_error, unavailable};
 use crate::registry::{InflightGuard, Node};
-use crate::relay::{route_headers, streamed, whole};
+use crate::relay::{route_headers, streamed, whole, Relay};
 use crate::route::{prefill_node, Plan, Target};
 use crate::state::AppState;
 use crate::upstream::{self, Endpoint, PrefillError, SendError};
@@ -32,30 +37,42 @@ pub(crate) struct Call<'a> {
     pub started: Instant,
 }
 
-/// The local path's pD refused the connection before anything was sent: the
-/// route step decides again (nothing was answered or counted).
-pub(crate) struct Unreachable;
+/// Nothing reached the client and the route step should place the request
+/// again (nothing was answered or counted).
+pub(crate) enum Retry {
+    /// This node failed: refused, timed out, answered 5xx, or broke before
+    /// the first token. `answer` is the failure, for when no other node can
+    /// take the request (not yet counted).
+    NodeFailed { node: Arc<Node>, answer: Response },
+    /// No P is left to prefill (all failed or went away).
+    NoPrefill,
+}
 
-/// Runs `plan` and returns the client's answer.
-pub(crate) async fn run(call: &Call<'_>, plan: &Plan) -> Result<Response, Unreachable> {
-    let run = Run { call, plan };
+/// Runs `plan` and returns the client's answer, or a [`Retry`] when
+/// `may_retry` and a node failed before anything was sent.
+pub(crate) async fn run(call: &Call<'_>, plan: &Plan, may_retry: bool) -> Result<Response, Retry> {
+    let run = Run {
+        call,
+        plan,
+        may_retry,
+    };
+    let direct = |d: &Arc<Node>| {
+        let edits = drop_router_fields(call.view)
+            .chain(usage_edit(call.text, call.view))
+            .collect();
+        run.forward(None, Arc::clone(d), edits, None)
+    };
     match &plan.target {
-        Target::Local(d) | Target::Replica(d) => {
-            let edits = drop_router_fields(call.view)
-                .chain(usage_edit(call.text, call.view))
-                .collect();
-            run.forward(None, Arc::clone(d), edits, None).await
-        }
-        Target::Pd(d) => Ok(run.pd(Arc::clone(d)).await),
-        Target::Unavailable(why) => {
-            Ok(run.fail(StatusCode::SERVICE_UNAVAILABLE, unavailable(*why)))
-        }
+        Target::Local(d) | Target::Replica(d) | Target::Direct(d) => direct(d).await,
+        Target::Pd(d) => run.pd(Arc::clone(d)).await,
+        Target::Unavailable(why) => Ok(run.fail(unavailable(*why))),
     }
 }
 
 struct Run<'a> {
     call: &'a Call<'a>,
     plan: &'a Plan,
+    may_retry: bool,
 }
 
 impl Run<'_> {
@@ -64,50 +81,59 @@ impl Run<'_> {
     }
 
     /// A refusal of a routed request, counted under its route.
-    fn fail(&self, status: StatusCode, mut resp: Response) -> Response {
-        resp.extensions_mut().insert(Counted);
-        count(self.st(), &self.plan.route, status.as_u16());
-        resp
+    fn fail(&self, resp: Response) -> Response {
+        counted(self.st(), &self.plan.route, resp)
+    }
+
+    /// `node` failed before anything reached the client: counted against its
+    /// breaker, then retried elsewhere if this request may still be, else
+    /// answered with `answer`.
+    fn node_failed(
+        &self,
+        node: &Arc<Node>,
+        kind: &'static str,
+        answer: Response,
+    ) -> Result<Response, Retry> {
+        let st = self.st();
+        upstream_error(st, node.role, kind);
+        st.registry.record_failure(node, st.now_ms());
+        tracing::warn!(node = %node.url, kind, retry = self.may_retry, "node failed before the first byte");
+        if self.may_retry {
+            return Err(Retry::NodeFailed {
+                node: Arc::clone(node),
+                answer,
+            });
+        }
+        Ok(self.fail(answer))
     }
 
     /// P prefills, its KV moves to D, D decodes; a P that fails before
-    /// answering is replaced by another P.
-    async fn pd(&self, d: Arc<Node>) -> Response {
+    /// answering is replaced by another P, and with none left the route step
+    /// runs the turn on D alone.
+    async fn pd(&self, d: Arc<Node>) -> Result<Response, Retry> {
         let st = self.st();
         let connector = st.connector.as_ref();
-        let ask_usage = usage_edit(self.call.text, self.call.view);
-        if !connector.prefills() {
-            let edits = drop_router_fields(self.call.view)
-                .chain(ask_usage)
-                .collect();
-            return self
-                .forward(None, Arc::clone(&d), edits, None)
-                .await
-                .unwrap_or_else(|Unreachable| self.fail(StatusCode::BAD_GATEWAY, unreachable(&d)));
-        }
         let body = match prefill_body(connector, self.call.text, self.call.view) {
             Ok(b) => Bytes::from(b),
-            Err(e) => {
-                return self.fail(
-                    StatusCode::BAD_REQUEST,
-                    invalid_request(e.to_string(), "invalid_json"),
-                )
-            }
+            Err(e) => return Ok(self.fail(invalid_request(e.to_string(), "invalid_json"))),
         };
         let mut tried = Vec::new();
         loop {
             let Some(p) = prefill_node(st, &tried) else {
+                if self.may_retry {
+                    return Err(Retry::NoPrefill);
+                }
                 let msg = if tried.is_empty() {
                     "no healthy prefill node"
                 } else {
                     "every prefill node failed"
                 };
-                return self.fail(StatusCode::SERVICE_UNAVAILABLE, unavailable(msg));
+                return Ok(self.fail(unavailable(msg)));
             };
             tried.push(p.id);
             let rid = match connector.request_id(&p, &d) {
                 Ok(rid) => rid,
-                Err(why) => return self.fail(StatusCode::SERVICE_UNAVAILABLE, unavailable(why)),
+                Err(why) => return Ok(self.fail(unavailable(why))),
             };
             let why = match upstream::prefill(st, self.call.endpoint, &p, body.clone(), &rid).await
             {
@@ -116,14 +142,9 @@ impl Run<'_> {
                         st.registry.record_success(&p);
                         let edits = drop_router_fields(self.call.view)
                             .chain(handoff)
-                            .chain(ask_usage)
+                            .chain(usage_edit(self.call.text, self.call.view))
                             .collect();
-                        return self
-                            .forward(Some(p), Arc::clone(&d), edits, Some(rid))
-                            .await
-                            .unwrap_or_else(|Unreachable| {
-                                self.fail(StatusCode::BAD_GATEWAY, unreachable(&d))
-                            });
+                        return self.forward(Some(p), d, edits, Some(rid)).await;
                     }
                     Err(e) => {
                         if let Some(kind) = e.kind {
@@ -132,10 +153,7 @@ impl Run<'_> {
                         e.message
                     }
                 },
-                Err(PrefillError::Answer(resp)) => {
-                    let status = resp.status();
-                    return self.fail(status, resp);
-                }
+                Err(PrefillError::Answer(resp)) => return Ok(self.fail(resp)),
                 Err(PrefillError::Retryable(why)) => why,
             };
             tracing::warn!(node = %p.url, %why, "prefill failed; trying another P");
@@ -151,7 +169,7 @@ impl Run<'_> {
         d: Arc<Node>,
         edits: Vec<Edit<'_>>,
         request_id: Option<String>,
-    ) -> Result<Response, Unreachable> {
+    ) -> Result<Response, Retry> {
         let st = self.st();
         let route = &self.plan.route;
         let drop_usage = edits
@@ -162,60 +180,73 @@ impl Run<'_> {
         } else {
             match rewrite(self.call.text, &edits) {
                 Ok(b) => Bytes::from(b),
-                Err(e) => {
-                    return Ok(self.fail(
-                        StatusCode::BAD_REQUEST,
-                        invalid_request(e.to_string(), "invalid_json"),
-                    ))
-                }
+                Err(e) => return Ok(self.fail(invalid_request(e.to_string(), "invalid_json"))),
             }
         };
         let inflight = InflightGuard::new(Arc::clone(&d));
-        let role = d.role;
-        let resp =
-            match upstream::send(st, self.call.endpoint, &d, body, request_id.as_deref()).await {
-                Ok(r) => r,
-                Err(SendError::Timeout(timeout)) => {
-                    upstream_error(st, role, "timeout");
-                    st.registry.record_failure(&d, st.now_ms());
-                    return Ok(self.fail(
-                        StatusCode::GATEWAY_TIMEOUT,
-                        openai_error(
-                            StatusCode::GATEWAY_TIMEOUT,
-                            format!("{} did not answer within {timeout:?}", d.url),
-                            "upstream_error",
-                            "upstream_timeout",
-                        ),
-                    ));
-                }
-                Err(SendError::Connect { message, refused }) => {
-                    upstream_error(st, role, "connect");
-                    st.registry.record_failure(&d, st.now_ms());
-                    if refused && route.path == Path::Local {
-                        // Down since the last health check; nothing was sent.
-                        d.set_healthy(false);
-                        return Err(Unreachable);
-                    }
-                    return Ok(self.fail(
-                        StatusCode::BAD_GATEWAY,
-                        openai_error(
-                            StatusCode::BAD_GATEWAY,
-                            format!("{}: {message}", d.url),
-                            "upstream_error",
-                            "upstream_unreachable",
-                        ),
-                    ));
-                }
-            };
-        let status = resp.status();
-        if !status.is_success() {
-            if status.is_server_error() {
-                upstream_error(st, role, "status_5xx");
-                st.registry.record_failure(&d, st.now_ms());
+        let who = node_name(d.role);
+        let stream = self.call.view.is_stream();
+        // A stream's head comes at once and its first token soon after: both
+        // within first_token_timeout. A whole answer comes when it is done.
+        let whole_answer = Duration::from_secs_f64(st.cfg.request_timeout);
+        let first_token = Duration::from_secs_f64(st.cfg.first_token_timeout).min(whole_answer);
+        let deadline =
+            tokio::time::Instant::now() + if stream { first_token } else { whole_answer };
+        let wait = deadline - tokio::time::Instant::now();
+        let sent = upstream::send(
+            st,
+            self.call.endpoint,
+            &d,
+            body,
+            request_id.as_deref(),
+            wait,
+        );
+        let resp = match sent.await {
+            Ok(r) => r,
+            Err(SendError::Timeout(timeout)) => {
+                let answer = upstream_failure(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    format!("the {who} did not answer within {timeout:?}"),
+                    "upstream_timeout",
+                );
+                return self.node_failed(&d, "timeout", answer);
             }
+            Err(SendError::Connect { refused, message }) => {
+                tracing::warn!(node = %d.url, error = %message, "request to node failed");
+                let answer = upstream_failure(
+                    StatusCode::BAD_GATEWAY,
+                    format!("the {who} could not be reached"),
+                    "upstream_unreachable",
+                );
+                if refused && route.path == ppd_core::Path::Local {
+                    // Down since the last health check: the route step must not pick it again.
+                    d.set_healthy(false);
+                }
+                return self.node_failed(&d, "connect", answer);
+            }
+        };
+        let status = resp.status();
+        if status.is_server_error() {
+            let mut answer = upstream::error_answer(st, status, resp).await;
+            route_headers(
+                &mut answer,
+                route,
+                self.call.conv,
+                &d,
+                st.cfg.expose_node_header,
+            );
+            return self.node_failed(&d, "status_5xx", answer);
+        }
+        if !status.is_success() {
             let mut out = upstream::error_answer(st, status, resp).await;
-            route_headers(&mut out, route, self.call.conv, &d);
-            return Ok(self.fail(status, out));
+            route_headers(
+                &mut out,
+                route,
+                self.call.conv,
+                &d,
+                st.cfg.expose_node_header,
+            );
+            return Ok(self.fail(out));
         }
         let ticket = Ticket {
             state: Arc::clone(st),
@@ -227,40 +258,64 @@ impl Run<'_> {
             d: Arc::clone(&d),
             started: self.call.started,
         };
-        let mut out = if self.call.view.is_stream() {
-            streamed(ticket, resp, inflight, drop_usage)
+        let mut out = if stream {
+            let mut relay = Relay::new(ticket, resp, inflight, drop_usage);
+            match tokio::time::timeout_at(deadline, relay.first_event()).await {
+                Ok(Ok(())) => streamed(relay),
+                Ok(Err(why)) => {
+                    relay.discard();
+                    let answer = upstream_failure(
+                        StatusCode::BAD_GATEWAY,
+                        format!("the {who} failed before its first token ({why})"),
+                        "upstream_failed",
+                    );
+                    return self.node_failed(&d, "stream", answer);
+                }
+                Err(_) => {
+                    relay.discard();
+                    let answer = upstream_failure(
+                        StatusCode::GATEWAY_TIMEOUT,
+                        format!("the {who} sent no token within {first_token:?}"),
+                        "upstream_timeout",
+                    );
+                    return self.node_failed(&d, "first_token", answer);
+                }
+            }
         } else {
             match whole(ticket, resp, inflight).await {
                 Some(r) => r,
                 None => {
-                    upstream_error(st, role, "body");
-                    st.registry.record_failure(&d, st.now_ms());
-                    return Ok(self.fail(
+                    let answer = upstream_failure(
                         StatusCode::BAD_GATEWAY,
-                        openai_error(
-                            StatusCode::BAD_GATEWAY,
-                            format!("{} failed while answering", d.url),
-                            "upstream_error",
-                            "upstream_failed",
-                        ),
-                    ));
+                        format!("the {who} failed while answering"),
+                        "upstream_failed",
+                    );
+                    return self.node_failed(&d, "body", answer);
                 }
             }
         };
-        route_headers(&mut out, route, self.call.conv, &d);
+        route_headers(
+            &mut out,
+            route,
+            self.call.conv,
+            &d,
+            st.cfg.expose_node_header,
+        );
         Ok(out)
     }
 }
 
-/// Only a local forward reports an unreachable node for the route step; a pd
-/// forward that met one answers it as the refused connection it was.
-fn unreachable(d: &Node) -> Response {
-    openai_error(
-        StatusCode::BAD_GATEWAY,
-        format!("{}: connection refused", d.url),
-        "upstream_error",
-        "upstream_unreachable",
-    )
+/// How client-facing errors name a node: by its role, never its address.
+fn node_name(role: Role) -> &'static str {
+    match role {
+        Role::P => "prefill node",
+        Role::D | Role::PD => "decode node",
+        Role::R => "replica node",
+    }
+}
+
+fn upstream_failure(status: StatusCode, message: String, code: &str) -> Response {
+    openai_error(status, message, "upstream_error", code)
 }
 
 /// Sets `stream_options.include_usage` when the client streams without it,
@@ -323,5 +378,11 @@ mod tests {
             v["stream_options"],
             serde_json::json!({"continuous_usage_stats": true, "include_usage": true})
         );
+    }
+
+    #[test]
+    fn client_facing_errors_name_roles_not_addresses() {
+        assert_eq!(node_name(Role::PD), "decode node");
+        assert_eq!(node_name(Role::R), "replica node");
     }
 }

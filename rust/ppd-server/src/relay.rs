@@ -20,7 +20,13 @@ use crate::upstream::read_all;
 
 /// Marks the answer as routed and says how: `x-ppd-path`, `x-ppd-reason`,
 /// `x-ppd-session`, `x-ppd-node`.
-pub(crate) fn route_headers(resp: &mut Response, route: &Route, conv: &str, node: &Node) {
+pub(crate) fn route_headers(
+    resp: &mut Response,
+    route: &Route,
+    conv: &str,
+    node: &Node,
+    expose_node: bool,
+) {
     resp.extensions_mut().insert(Counted);
     // Names as constants: a `&str` name is parsed on every insert.
     const PATH: HeaderName = HeaderName::from_static("x-ppd-path");
@@ -33,8 +39,11 @@ pub(crate) fn route_headers(resp: &mut Response, route: &Route, conv: &str, node
     if let Ok(v) = HeaderValue::from_str(conv) {
         h.insert(SESSION, v);
     }
-    if let Some(v) = &node.url_header {
-        h.insert(NODE, v.clone());
+    // A node's address is internal: only an operator who asks for it gets it.
+    if expose_node {
+        if let Some(v) = &node.url_header {
+            h.insert(NODE, v.clone());
+        }
     }
 }
 
@@ -68,25 +77,7 @@ pub(crate) async fn whole(
 }
 
 /// A streamed answer, relayed as it arrives (see [`Relay`]).
-pub(crate) fn streamed(
-    ticket: Ticket,
-    resp: reqwest::Response,
-    inflight: InflightGuard,
-    drop_usage: bool,
-) -> Response {
-    let idle = Duration::from_secs_f64(ticket.state.cfg.stream_idle_timeout);
-    let relay = Relay {
-        upstream: Box::pin(resp.bytes_stream()),
-        idle,
-        sleep: None,
-        splitter: EventSplitter::default(),
-        drop_usage,
-        usage: None,
-        first_token: None,
-        ticket: Some(ticket),
-        done: false,
-        _inflight: inflight,
-    };
+pub(crate) fn streamed(relay: Relay) -> Response {
     let mut r = Response::new(Body::from_stream(relay));
     r.headers_mut()
         .insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
@@ -100,7 +91,7 @@ type ByteStream = Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>;
 /// Relays an upstream SSE stream event by event: the client gets the bytes vLLM
 /// sent, minus the usage chunk the router asked for itself; a failure mid-stream
 /// becomes an SSE error event and the end of the stream.
-struct Relay {
+pub(crate) struct Relay {
     upstream: ByteStream,
     idle: Duration,
     sleep: Option<Pin<Box<tokio::time::Sleep>>>,
@@ -110,6 +101,8 @@ struct Relay {
     first_token: Option<Instant>,
     ticket: Option<Ticket>,
     done: bool,
+    /// `first_event` left events in the splitter for the first poll.
+    read_ahead: bool,
     _inflight: InflightGuard,
 }
 
@@ -119,6 +112,59 @@ fn sse_error(message: &str) -> Bytes {
 }
 
 impl Relay {
+    pub fn new(
+        ticket: Ticket,
+        resp: reqwest::Response,
+        inflight: InflightGuard,
+        drop_usage: bool,
+    ) -> Relay {
+        Relay {
+            upstream: Box::pin(resp.bytes_stream()),
+            idle: Duration::from_secs_f64(ticket.state.cfg.stream_idle_timeout),
+            sleep: None,
+            splitter: EventSplitter::default(),
+            drop_usage,
+            usage: None,
+            first_token: None,
+            ticket: Some(ticket),
+            done: false,
+            read_ahead: false,
+            _inflight: inflight,
+        }
+    }
+
+    /// Waits for the stream's first whole event, before anything is sent to
+    /// the client, so that a node that breaks or stays silent before its first
+    /// token can still be replaced. An error event first is a failure too.
+    pub async fn first_event(&mut self) -> Result<(), &'static str> {
+        loop {
+            match self.upstream.next().await {
+                Some(Ok(chunk)) => {
+                    self.splitter.push(&chunk);
+                    self.read_ahead = true;
+                    if let Some(first) = self.splitter.peek_event() {
+                        return match classify(first) {
+                            EventKind::Error => Err("an error event"),
+                            EventKind::Data { .. } => {
+                                self.first_token = Some(Instant::now());
+                                Ok(())
+                            }
+                            _ => Ok(()),
+                        };
+                    }
+                }
+                Some(Err(_)) => return Err("the stream broke"),
+                None => return Err("the stream ended empty"),
+            }
+        }
+    }
+
+    /// Drops a relay whose stream is abandoned for a retry: its request is
+    /// neither answered nor counted here.
+    pub fn discard(mut self) {
+        self.ticket = None;
+    }
+
     /// Events ready to send from what has been buffered (without a copy
     /// unless the router's own usage chunk has to be cut out).
     fn drain(&mut self) -> Option<Bytes> {
@@ -174,6 +220,12 @@ impl Stream for Relay {
         if this.done {
             return Poll::Ready(None);
         }
+        // Events read ahead by `first_event` go out first.
+        if std::mem::take(&mut this.read_ahead) {
+            if let Some(out) = this.drain() {
+                return Poll::Ready(Some(Ok(out)));
+            }
+        }
         loop {
             match this.upstream.poll_next_unpin(cx) {
                 Poll::Ready(Some(Ok(chunk))) => {
@@ -184,8 +236,10 @@ impl Stream for Relay {
                     }
                 }
                 Poll::Ready(Some(Err(e))) => {
-                    let msg = format!("upstream stream failed: {e}");
-                    return Poll::Ready(Some(Ok(this.fail(&msg, "stream"))));
+                    if let Some(t) = &this.ticket {
+                        tracing::warn!(node = %t.d.url, error = %e, "stream broke");
+                    }
+                    return Poll::Ready(Some(Ok(this.fail("the upstream stream broke", "stream"))));
                 }
                 Poll::Ready(None) => {
                     this.done = true;

@@ -1,15 +1,17 @@
 //! The route step: the one place where a request's path, its P and D, and every veto are chosen.
 //!
 //! [`plan`] asks the decision engine for the path (Turn 1, no session, D
-//! unavailable or overloaded, the policy) and places it on nodes;
-//! [`prefill_node`] picks the P of each prefill attempt; [`without_holder`]
-//! routes again when the session's pD turned out unreachable.
+//! unavailable or overloaded, the policy), places it on nodes and vetoes the
+//! pd path's prefill when no P is available (`p_unavailable`);
+//! [`prefill_node`] picks the P of each prefill attempt; [`after_failure`]
+//! and [`without_prefill`] make the one retry a request gets when a node
+//! failed before anything reached the client.
 
 use std::sync::Arc;
 
 use ppd_core::identity::hash_id;
 use ppd_core::session::NodeId;
-use ppd_core::{DecisionInput, Path, Role, Route};
+use ppd_core::{DecisionInput, Path, Reason, Role, Route};
 
 use crate::identify::Identified;
 use crate::registry::Node;
@@ -29,6 +31,9 @@ pub(crate) enum Target {
     Replica(Arc<Node>),
     /// A P (chosen per attempt by [`prefill_node`]) prefills, this node decodes.
     Pd(Arc<Node>),
+    /// This node computes the whole prompt itself: no P can prefill (or the
+    /// KV protocol has none).
+    Direct(Arc<Node>),
     /// No node can serve the path: why.
     Unavailable(&'static str),
 }
@@ -68,51 +73,103 @@ pub(crate) fn plan(
         let (c, w, q) = table.describe(s.cell_at);
         (c.to_owned(), w.to_owned(), q)
     });
+    let plan = placed(st, route, input, holder, &[]);
+    let route = plan.route;
     st.record_decision(route.path, route.reason, cell);
     tracing::debug!(conv = %id.conv, turn = f.turn, path = route.path.as_str(), reason = route.reason.as_str(), "route");
-    Ok(Plan {
-        route,
-        input,
-        target: place(st, route.path, holder, now),
-    })
+    Ok(plan)
 }
 
-/// Routes again after the session's pD refused the connection: the engine
-/// decides knowing that D is gone (`d_unavailable`), so never `local`.
-pub(crate) fn without_holder(st: &AppState, before: &Plan) -> Result<Plan, ppd_core::Error> {
+/// Routes again after `failed` failed before the first byte reached the
+/// client. A local turn goes through pd: the engine decides knowing its D is
+/// gone (`d_unavailable`). Any other path runs again on another node
+/// (`node_failed`). `None` when no other node can take it.
+pub(crate) fn after_failure(
+    st: &AppState,
+    before: &Plan,
+    failed: &Node,
+) -> Result<Option<Plan>, ppd_core::Error> {
     let input = DecisionInput {
         d_available: false,
         ..before.input
     };
-    let route = st.engine.decide(&input)?;
+    let route = if before.route.path == Path::Local {
+        st.engine.decide(&input)?
+    } else {
+        Route {
+            reason: Reason::NodeFailed,
+            ..before.route
+        }
+    };
+    let plan = placed(st, route, input, None, &[failed.id]);
+    if matches!(plan.target, Target::Unavailable(_)) {
+        return Ok(None);
+    }
     st.record_decision(route.path, route.reason, None);
-    Ok(Plan {
-        route,
-        input,
-        target: place(st, route.path, None, st.now_ms()),
-    })
+    Ok(Some(plan))
 }
 
-/// The nodes of a path: the session's node where it can serve, else the
-/// least loaded node of the path's roles.
-fn place(st: &AppState, path: Path, holder: Option<Arc<Node>>, now: u64) -> Target {
-    let least_loaded = |roles: &[Role]| st.registry.least_loaded(roles, &[], now);
-    match path {
-        Path::Local => holder.map_or(
+/// Routes again after every P failed or went away: the pd path's D computes
+/// the whole prompt itself (`p_unavailable`).
+pub(crate) fn without_prefill(st: &AppState, before: &Plan) -> Plan {
+    let route = Route {
+        reason: Reason::PUnavailable,
+        ..before.route
+    };
+    st.record_decision(route.path, route.reason, None);
+    let target = match &before.target {
+        Target::Pd(d) => Target::Direct(Arc::clone(d)),
+        _ => Target::Unavailable("no healthy prefill node"),
+    };
+    Plan {
+        route,
+        input: before.input,
+        target,
+    }
+}
+
+/// A route on its nodes: the session's node where it can serve, else the
+/// least loaded node of the path's roles, never one in `exclude`. A pd path
+/// without an available P runs direct on its D (`p_unavailable`).
+fn placed(
+    st: &AppState,
+    mut route: Route,
+    input: DecisionInput,
+    holder: Option<Arc<Node>>,
+    exclude: &[NodeId],
+) -> Plan {
+    let now = st.now_ms();
+    let least_loaded = |roles: &[Role]| st.registry.least_loaded(roles, exclude, now);
+    let usable = |n: &Arc<Node>| n.available(now) && !exclude.contains(&n.id);
+    let target = match route.path {
+        Path::Local => holder.filter(|n| !exclude.contains(&n.id)).map_or(
             Target::Unavailable("the session's decode node is gone"),
             Target::Local,
         ),
         Path::Replica => holder
-            .filter(|n| n.role == Role::R && n.available(now))
+            .filter(|n| n.role == Role::R && usable(n))
             .or_else(|| least_loaded(&[Role::R]))
             .map_or(
                 Target::Unavailable("no healthy replica node"),
                 Target::Replica,
             ),
-        Path::Pd => holder
-            .filter(|n| n.role.decodes() && n.available(now))
+        Path::Pd => match holder
+            .filter(|n| n.role.decodes() && usable(n))
             .or_else(|| least_loaded(&[Role::D, Role::PD]))
-            .map_or(Target::Unavailable("no healthy decode node"), Target::Pd),
+        {
+            None => Target::Unavailable("no healthy decode node"),
+            Some(d) if !st.connector.prefills() => Target::Direct(d),
+            Some(d) if prefill_node(st, &[]).is_none() => {
+                route.reason = Reason::PUnavailable;
+                Target::Direct(d)
+            }
+            Some(d) => Target::Pd(d),
+        },
+    };
+    Plan {
+        route,
+        input,
+        target,
     }
 }
 

@@ -173,6 +173,12 @@ impl EventSplitter {
         Some(self.buf.split_to(end).freeze())
     }
 
+    /// The first complete event, left in the buffer.
+    pub fn peek_event(&mut self) -> Option<&[u8]> {
+        let end = self.boundary_from(0)?;
+        Some(&self.buf[..end])
+    }
+
     /// All complete events in the buffer, each kept, dropped or replaced as
     /// `pass` says, as one buffer. When every event is kept (a stream's usual
     /// chunk) the bytes are handed on without a copy. `None` when nothing is to

@@ -71,6 +71,7 @@ impl AppState {
             ttl_ms: (cfg.session_ttl * 1000.0) as u64,
             capacity: cfg.session_capacity,
             shards: 64,
+            max_bytes: cfg.session_max_bytes,
         })
         .map_err(|e| ServerError::Config(e.to_string()))?;
         let registry = Registry::new(BreakerConfig {

@@ -104,13 +104,14 @@ pub(crate) enum SendError {
 }
 
 /// Sends `body` to the decoding node `d` and returns its answer's head
-/// (the body is read, or relayed, by the caller).
+/// within `timeout` (the body is read, or relayed, by the caller).
 pub(crate) async fn send(
     st: &AppState,
     endpoint: Endpoint,
     d: &Node,
     body: Bytes,
     request_id: Option<&str>,
+    timeout: Duration,
 ) -> Result<reqwest::Response, SendError> {
     let mut req = endpoint
         .post(st.client(), d)
@@ -119,7 +120,6 @@ pub(crate) async fn send(
     if let Some(rid) = request_id {
         req = req.header("x-request-id", rid);
     }
-    let timeout = Duration::from_secs_f64(st.cfg.request_timeout);
     match tokio::time::timeout(timeout, req.send()).await {
         Err(_) => Err(SendError::Timeout(timeout)),
         Ok(Err(e)) => Err(SendError::Connect {
