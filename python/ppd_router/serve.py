@@ -52,6 +52,12 @@ _SCALARS: dict[str, tuple[type, str]] = {
     "worker_threads": (int, "router I/O threads (default 0 = one per core)"),
     "runtime": (str, "thread-per-core (default: a request stays on its thread) or work-stealing"),
     "log": (str, "log filter (default warn)"),
+    "max_inflight_per_node": (int, "requests each node may have in flight (0 = no limit; default 256)"),
+    "max_inflight_tokens_per_node": (int, "prompt tokens each node may have in flight (0 = no limit, the default)"),
+    "queue_size": (int, "requests that may wait for room on their node; beyond: 503 (default 1024)"),
+    "queue_timeout": (float, "longest wait for room on a node in seconds; past it: 503 (default 30)"),
+    "rate_limit": (int, "requests per second the router takes; beyond: 429 (0 = no limit, the default)"),
+    "rate_limit_burst": (int, "requests allowed in a burst above the rate (0 = the rate)"),
     "first_token_timeout": (
         float,
         "longest wait for a streamed answer's first token in seconds; past it the node counts as failed "

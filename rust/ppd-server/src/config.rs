@@ -103,6 +103,20 @@ pub struct RouterConfig {
     pub expose_node_header: bool,
     /// Memory the session table may take, bytes (ids included; LRU beyond it).
     pub session_max_bytes: usize,
+
+    // --- admission ---
+    /// Requests each node may have in flight from this router (0: unlimited).
+    pub max_inflight_per_node: u32,
+    /// Prompt tokens each node may have in flight from this router (0: unlimited).
+    pub max_inflight_tokens_per_node: u32,
+    /// Requests that may wait for room on their node at once; beyond: 503.
+    pub queue_size: usize,
+    /// Longest wait for room on a node, seconds; past it: 503.
+    pub queue_timeout: f64,
+    /// Requests per second the router takes (0: no limit); beyond: 429.
+    pub rate_limit: u32,
+    /// Requests allowed in a burst above the rate (0: the rate itself).
+    pub rate_limit_burst: u32,
 }
 
 impl Default for RouterConfig {
@@ -144,6 +158,12 @@ impl Default for RouterConfig {
             first_token_timeout: 60.0,
             expose_node_header: false,
             session_max_bytes: 256 * 1024 * 1024,
+            max_inflight_per_node: 256,
+            max_inflight_tokens_per_node: 0,
+            queue_size: 1024,
+            queue_timeout: 30.0,
+            rate_limit: 0,
+            rate_limit_burst: 0,
         }
     }
 }
@@ -362,6 +382,7 @@ impl RouterConfig {
             ("breaker_open", self.breaker_open),
             ("qps_window", self.qps_window),
             ("first_token_timeout", self.first_token_timeout),
+            ("queue_timeout", self.queue_timeout),
         ] {
             positive(field, v)?;
         }

@@ -10,10 +10,12 @@ use std::time::Instant;
 
 use ppd_core::request::{parse_request, RequestView};
 
+use crate::admission::{Admitted, Shed};
 use crate::bookkeeping::{counted, Counted};
 use crate::error::{invalid_request, openai_error};
-use crate::metrics::{RequestLabels, RetryLabels};
+use crate::metrics::{AdmissionLabels, RequestLabels, RetryLabels};
 use crate::orchestrate::{self, Call, Retry};
+use crate::route::Plan;
 use crate::state::AppState;
 use crate::upstream::Endpoint;
 use crate::{identify, route};
@@ -61,6 +63,9 @@ async fn completions(
     body: Body,
 ) -> Response {
     let started = Instant::now();
+    if let Err(shed) = st.admission.arrival() {
+        return shed_answer(st, shed);
+    }
     if !is_json(headers) {
         return openai_error(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -99,10 +104,15 @@ async fn completions(
         started,
     };
     // One retry, when a node failed before anything reached the client.
+    let prompt_tokens = id.features.n_ctx.saturating_add(id.features.n_in);
     let mut plan = plan;
     let mut may_retry = true;
     loop {
-        match orchestrate::run(&call, &plan, may_retry).await {
+        let admitted = match admit(st, &plan, prompt_tokens).await {
+            Ok(a) => a,
+            Err(shed) => return counted(st, &plan.route, shed_answer(st, shed)),
+        };
+        match orchestrate::run(&call, &plan, admitted, may_retry).await {
             Ok(resp) => return resp,
             Err(retry) => {
                 may_retry = false;
@@ -128,6 +138,31 @@ async fn completions(
             }
         }
     }
+}
+
+/// Room for the request on the node that will decode it (admission.rs).
+async fn admit(st: &AppState, plan: &Plan, prompt_tokens: u32) -> Result<Option<Admitted>, Shed> {
+    let Some(node) = plan.target.decoder() else {
+        return Ok(None);
+    };
+    let (admitted, waited) = st.admission.admit(&node.slots, prompt_tokens).await?;
+    let outcome = if waited { "queued" } else { "admitted" };
+    st.metrics
+        .admission
+        .get_or_create(&AdmissionLabels { outcome })
+        .inc();
+    Ok(Some(admitted))
+}
+
+/// A shed request's answer, counted by why it was shed.
+fn shed_answer(st: &AppState, shed: Shed) -> Response {
+    st.metrics
+        .admission
+        .get_or_create(&AdmissionLabels {
+            outcome: shed.as_str(),
+        })
+        .inc();
+    shed.response()
 }
 
 /// Whether the body is declared JSON. Requiring it keeps browsers from sending

@@ -13,6 +13,7 @@
 #![allow(clippy::result_large_err)]
 
 pub mod admin;
+mod admission;
 pub mod body;
 mod bookkeeping;
 pub mod config;

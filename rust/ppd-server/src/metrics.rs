@@ -32,6 +32,12 @@ pub struct RetryLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AdmissionLabels {
+    /// `admitted`, `queued` (admitted after waiting), `shed_rate`, `shed_queue_full`, `shed_queue_timeout`.
+    pub outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ErrorLabels {
     pub role: &'static str,
     pub kind: &'static str,
@@ -48,6 +54,8 @@ pub struct Metrics {
     pub upstream_errors: Family<ErrorLabels, Counter>,
     pub retries: Counter,
     pub request_retries: Family<RetryLabels, Counter>,
+    pub admission: Family<AdmissionLabels, Counter>,
+    pub queue_waiting: Gauge,
     pub sessions: Gauge,
     pub nodes: Family<NodeStateLabels, Gauge>,
 }
@@ -118,6 +126,18 @@ impl Metrics {
             "Requests routed again because a node failed before their first byte reached the client",
             request_retries.clone(),
         );
+        let admission = Family::<AdmissionLabels, Counter>::default();
+        registry.register(
+            "admission",
+            "Requests by admission outcome: admitted at once, after queueing, or shed (rate, queue full, queue timeout)",
+            admission.clone(),
+        );
+        let queue_waiting = Gauge::default();
+        registry.register(
+            "queue_waiting",
+            "Requests waiting for room on their node now",
+            queue_waiting.clone(),
+        );
         let sessions = Gauge::default();
         registry.register("sessions", "Live sessions", sessions.clone());
         let nodes = Family::<NodeStateLabels, Gauge>::default();
@@ -133,6 +153,8 @@ impl Metrics {
             upstream_errors,
             retries,
             request_retries,
+            admission,
+            queue_waiting,
             sessions,
             nodes,
         }

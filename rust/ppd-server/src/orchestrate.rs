@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use ppd_core::request::RequestView;
 use ppd_core::Role;
 
+use crate::admission::Admitted;
 use crate::body::{drop_router_fields, rewrite, Edit};
 use crate::bookkeeping::{counted, upstream_error, Ticket};
 use crate::connector::prefill_body;
@@ -50,21 +51,27 @@ pub(crate) enum Retry {
 
 /// Runs `plan` and returns the client's answer, or a [`Retry`] when
 /// `may_retry` and a node failed before anything was sent.
-pub(crate) async fn run(call: &Call<'_>, plan: &Plan, may_retry: bool) -> Result<Response, Retry> {
+/// `admitted` is the request's room on the decoding node, held until its answer ends.
+pub(crate) async fn run(
+    call: &Call<'_>,
+    plan: &Plan,
+    admitted: Option<Admitted>,
+    may_retry: bool,
+) -> Result<Response, Retry> {
     let run = Run {
         call,
         plan,
         may_retry,
     };
-    let direct = |d: &Arc<Node>| {
-        let edits = drop_router_fields(call.view)
-            .chain(usage_edit(call.text, call.view))
-            .collect();
-        run.forward(None, Arc::clone(d), edits, None)
-    };
     match &plan.target {
-        Target::Local(d) | Target::Replica(d) | Target::Direct(d) => direct(d).await,
-        Target::Pd(d) => run.pd(Arc::clone(d)).await,
+        Target::Local(d) | Target::Replica(d) | Target::Direct(d) => {
+            let edits = drop_router_fields(call.view)
+                .chain(usage_edit(call.text, call.view))
+                .collect();
+            run.forward(None, Arc::clone(d), admitted, edits, None)
+                .await
+        }
+        Target::Pd(d) => run.pd(Arc::clone(d), admitted).await,
         Target::Unavailable(why) => Ok(run.fail(unavailable(*why))),
     }
 }
@@ -110,7 +117,7 @@ impl Run<'_> {
     /// P prefills, its KV moves to D, D decodes; a P that fails before
     /// answering is replaced by another P, and with none left the route step
     /// runs the turn on D alone.
-    async fn pd(&self, d: Arc<Node>) -> Result<Response, Retry> {
+    async fn pd(&self, d: Arc<Node>, admitted: Option<Admitted>) -> Result<Response, Retry> {
         let st = self.st();
         let connector = st.connector.as_ref();
         let body = match prefill_body(connector, self.call.text, self.call.view) {
@@ -144,7 +151,7 @@ impl Run<'_> {
                             .chain(handoff)
                             .chain(usage_edit(self.call.text, self.call.view))
                             .collect();
-                        return self.forward(Some(p), d, edits, Some(rid)).await;
+                        return self.forward(Some(p), d, admitted, edits, Some(rid)).await;
                     }
                     Err(e) => {
                         if let Some(kind) = e.kind {
@@ -167,6 +174,7 @@ impl Run<'_> {
         &self,
         p: Option<Arc<Node>>,
         d: Arc<Node>,
+        admitted: Option<Admitted>,
         edits: Vec<Edit<'_>>,
         request_id: Option<String>,
     ) -> Result<Response, Retry> {
@@ -183,7 +191,10 @@ impl Run<'_> {
                 Err(e) => return Ok(self.fail(invalid_request(e.to_string(), "invalid_json"))),
             }
         };
-        let inflight = InflightGuard::new(Arc::clone(&d));
+        let inflight = match admitted {
+            Some(a) => InflightGuard::admitted(Arc::clone(&d), a),
+            None => InflightGuard::new(Arc::clone(&d)),
+        };
         let who = node_name(d.role);
         let stream = self.call.view.is_stream();
         // A stream's head comes at once and its first token soon after: both

@@ -7,6 +7,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use ppd_core::session::NodeId;
+
+use crate::admission::{Admitted, NodeSlots};
 use ppd_core::Role;
 
 /// Where a node came from: static ones never expire, registered ones do without heartbeats.
@@ -32,6 +34,8 @@ pub struct Node {
     pub sessions: AtomicU32,
     pub served: AtomicU64,
     pub failed: AtomicU64,
+    /// Admission's room on this node (in-flight requests and prompt tokens).
+    pub slots: NodeSlots,
     /// `{url}/v1/chat/completions` and `{url}/v1/completions`, parsed once:
     /// parsing a URL per request cost more than building the rest of it.
     /// `None` when the URL does not parse (the request then reports why).
@@ -91,22 +95,34 @@ fn endpoint_urls(base: &str) -> Option<[reqwest::Url; 2]> {
     Some([chat, completions])
 }
 
-/// Holds a node's in-flight count up while a request uses it.
-pub struct InflightGuard(Arc<Node>);
+/// Holds a node's in-flight count up while a request uses it, and the room
+/// admission gave the request on it.
+pub struct InflightGuard {
+    node: Arc<Node>,
+    _admitted: Option<Admitted>,
+}
 
 impl InflightGuard {
     pub fn new(node: Arc<Node>) -> Self {
         node.inflight.fetch_add(1, Ordering::AcqRel);
-        InflightGuard(node)
+        InflightGuard {
+            node,
+            _admitted: None,
+        }
+    }
+    pub(crate) fn admitted(node: Arc<Node>, admitted: Admitted) -> Self {
+        let mut guard = InflightGuard::new(node);
+        guard._admitted = Some(admitted);
+        guard
     }
     pub fn node(&self) -> &Arc<Node> {
-        &self.0
+        &self.node
     }
 }
 
 impl Drop for InflightGuard {
     fn drop(&mut self) {
-        self.0.inflight.fetch_sub(1, Ordering::AcqRel);
+        self.node.inflight.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -116,21 +132,30 @@ pub struct BreakerConfig {
     pub open_ms: u64,
 }
 
+/// What each node may have in flight (0: unlimited).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NodeLimits {
+    pub requests: u32,
+    pub prompt_tokens: u32,
+}
+
 /// Nodes by id; the list is copy-on-write so placement never takes a lock.
 pub struct Registry {
     nodes: ArcSwap<Vec<Arc<Node>>>,
     write: Mutex<()>,
     next_id: AtomicU32,
     breaker: BreakerConfig,
+    limits: NodeLimits,
 }
 
 impl Registry {
-    pub fn new(breaker: BreakerConfig) -> Self {
+    pub fn new(breaker: BreakerConfig, limits: NodeLimits) -> Self {
         Registry {
             nodes: ArcSwap::from_pointee(Vec::new()),
             write: Mutex::new(()),
             next_id: AtomicU32::new(1),
             breaker,
+            limits,
         }
     }
 
@@ -172,6 +197,7 @@ impl Registry {
             served: AtomicU64::new(0),
             failed: AtomicU64::new(0),
             endpoint_urls: endpoint_urls(url),
+            slots: NodeSlots::new(self.limits.requests, self.limits.prompt_tokens),
             url_header: axum::http::HeaderValue::from_str(url).ok(),
         });
         let mut next = (*cur).clone();
@@ -252,10 +278,13 @@ mod tests {
     use super::*;
 
     fn reg() -> Registry {
-        Registry::new(BreakerConfig {
-            failures: 2,
-            open_ms: 1000,
-        })
+        Registry::new(
+            BreakerConfig {
+                failures: 2,
+                open_ms: 1000,
+            },
+            NodeLimits::default(),
+        )
     }
 
     #[test]

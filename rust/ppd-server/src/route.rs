@@ -38,6 +38,16 @@ pub(crate) enum Target {
     Unavailable(&'static str),
 }
 
+impl Target {
+    /// The node that decodes (and so holds the request's room), if any.
+    pub fn decoder(&self) -> Option<&Arc<Node>> {
+        match self {
+            Target::Local(n) | Target::Replica(n) | Target::Pd(n) | Target::Direct(n) => Some(n),
+            Target::Unavailable(_) => None,
+        }
+    }
+}
+
 /// Decides the path of an identified request and places it.
 pub(crate) fn plan(
     st: &AppState,

@@ -69,6 +69,7 @@ async fn health(State(st): State<Arc<AppState>>) -> Response {
 
 async fn metrics(State(st): State<Arc<AppState>>) -> Response {
     st.metrics.sessions.set(st.sessions.len() as i64);
+    st.metrics.queue_waiting.set(st.admission.waiting() as i64);
     let now = st.now_ms();
     for role in [Role::P, Role::D, Role::PD, Role::R] {
         for state in [

@@ -14,10 +14,11 @@ use ppd_core::session::{SessionConfig, SessionTable};
 use ppd_core::tokens::{TokenCounter, WordRule};
 use ppd_core::{DecisionEngine, Path, Reason, Role};
 
+use crate::admission::Admission;
 use crate::config::{RouterConfig, Settings};
 use crate::connector::{self, KvConnector};
 use crate::metrics::Metrics;
-use crate::registry::{BreakerConfig, Registry, Source};
+use crate::registry::{BreakerConfig, NodeLimits, Registry, Source};
 use crate::ServerError;
 
 /// Counts of decisions by path, reason and cell, for the admin API.
@@ -41,6 +42,7 @@ pub struct AppState {
     pub cfg: RouterConfig,
     /// How the pd path hands KV from P to D, chosen once from `kv_protocol`.
     pub(crate) connector: Box<dyn KvConnector>,
+    pub(crate) admission: Admission,
     pub engine: DecisionEngine,
     pub table_spec: Mutex<String>,
     pub sessions: SessionTable,
@@ -74,10 +76,16 @@ impl AppState {
             max_bytes: cfg.session_max_bytes,
         })
         .map_err(|e| ServerError::Config(e.to_string()))?;
-        let registry = Registry::new(BreakerConfig {
-            failures: cfg.breaker_failures,
-            open_ms: (cfg.breaker_open * 1000.0) as u64,
-        });
+        let registry = Registry::new(
+            BreakerConfig {
+                failures: cfg.breaker_failures,
+                open_ms: (cfg.breaker_open * 1000.0) as u64,
+            },
+            NodeLimits {
+                requests: cfg.max_inflight_per_node,
+                prompt_tokens: cfg.max_inflight_tokens_per_node,
+            },
+        );
         let qps = QpsEstimator::new((cfg.qps_window * 1000.0) as u64, 100)
             .map_err(|e| ServerError::Config(e.to_string()))?;
         let counter: Arc<dyn TokenCounter> = match &cfg.tokenizer {
@@ -96,6 +104,7 @@ impl AppState {
             .unwrap_or(0);
         let state = Arc::new(AppState {
             connector: connector::build(cfg.kv_protocol),
+            admission: Admission::new(&cfg),
             engine,
             table_spec: Mutex::new(table_spec),
             sessions,
