@@ -473,6 +473,21 @@ async fn pull(s: &AppState, r: &Remote) -> bool {
     }
 }
 
+/// vLLM's cleanup of a refused `do_remote_prefill` request
+/// (`notify_kv_transfer_request_rejected`): a D that answers such a request
+/// with an error tells its P at once that the KV it holds will not be pulled.
+async fn release_rejected(s: &AppState, text: &str) {
+    let Some(kv) = serde_json::from_str::<Value>(text)
+        .ok()
+        .and_then(|v| v.get("kv_transfer_params").cloned())
+    else {
+        return;
+    };
+    if let Ok(Some(r)) = remote_of(&kv) {
+        pull(s, &r).await;
+    }
+}
+
 /// Aborts the engine request when the response is dropped before it finished.
 struct AbortGuard {
     engine: EngineHandle,
@@ -495,7 +510,10 @@ async fn generate(s: Arc<AppState>, ep: Endpoint, body: Bytes) -> Response {
     };
     let p = match parse_body(&s, ep, text) {
         Ok(p) => p,
-        Err(r) => return r,
+        Err(r) => {
+            release_rejected(&s, text).await;
+            return r;
+        }
     };
     let remote = match remote_of(&p.kv) {
         Ok(r) => r,

@@ -38,6 +38,11 @@ pub struct AdmissionLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabel {
+    pub result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ErrorLabels {
     pub role: &'static str,
     pub kind: &'static str,
@@ -55,6 +60,7 @@ pub struct Metrics {
     pub retries: Counter,
     pub request_retries: Family<RetryLabels, Counter>,
     pub admission: Family<AdmissionLabels, Counter>,
+    pub kv_releases: Family<ResultLabel, Counter>,
     pub queue_waiting: Gauge,
     pub sessions: Gauge,
     pub nodes: Family<NodeStateLabels, Gauge>,
@@ -132,6 +138,12 @@ impl Metrics {
             "Requests by admission outcome: admitted at once, after queueing, or shed (rate, queue full, queue timeout)",
             admission.clone(),
         );
+        let kv_releases = Family::<ResultLabel, Counter>::default();
+        registry.register(
+            "kv_releases",
+            "Requests that asked a D to free KV staged on P for a hand-off that did not happen, by result",
+            kv_releases.clone(),
+        );
         let queue_waiting = Gauge::default();
         registry.register(
             "queue_waiting",
@@ -154,6 +166,7 @@ impl Metrics {
             retries,
             request_retries,
             admission,
+            kv_releases,
             queue_waiting,
             sessions,
             nodes,

@@ -68,7 +68,7 @@ pub(crate) async fn run(
             let edits = drop_router_fields(call.view)
                 .chain(usage_edit(call.text, call.view))
                 .collect();
-            run.forward(None, Arc::clone(d), admitted, edits, None)
+            run.forward(None, Arc::clone(d), admitted, edits, None, None)
                 .await
         }
         Target::Pd(d) => run.pd(Arc::clone(d), admitted).await,
@@ -147,11 +147,22 @@ impl Run<'_> {
                 Ok(answer) => match connector.handoff(&answer) {
                     Ok(handoff) => {
                         st.registry.record_success(&p);
+                        let mut staged = Staged {
+                            st: Arc::clone(st),
+                            via: Arc::clone(&d),
+                            via_failed: false,
+                            release: handoff.as_ref().and_then(|h| connector.release_body(h)),
+                        };
                         let edits = drop_router_fields(self.call.view)
                             .chain(handoff)
                             .chain(usage_edit(self.call.text, self.call.view))
                             .collect();
-                        return self.forward(Some(p), d, admitted, edits, Some(rid)).await;
+                        let answer = self
+                            .forward(Some(p), d, admitted, edits, Some(rid), Some(&mut staged))
+                            .await;
+                        // Still staged here: D failed, so another D must carry the release.
+                        staged.via_failed = true;
+                        return answer;
                     }
                     Err(e) => {
                         if let Some(kind) = e.kind {
@@ -177,6 +188,7 @@ impl Run<'_> {
         admitted: Option<Admitted>,
         edits: Vec<Edit<'_>>,
         request_id: Option<String>,
+        mut staged: Option<&mut Staged>,
     ) -> Result<Response, Retry> {
         let st = self.st();
         let route = &self.plan.route;
@@ -249,6 +261,10 @@ impl Run<'_> {
             return self.node_failed(&d, "status_5xx", answer);
         }
         if !status.is_success() {
+            // D refused the request itself; vLLM's own cleanup tells P.
+            if let Some(s) = staged.as_mut() {
+                s.handed_over();
+            }
             let mut out = upstream::error_answer(st, status, resp).await;
             route_headers(
                 &mut out,
@@ -272,7 +288,13 @@ impl Run<'_> {
         let mut out = if stream {
             let mut relay = Relay::new(ticket, resp, inflight, drop_usage);
             match tokio::time::timeout_at(deadline, relay.first_event()).await {
-                Ok(Ok(())) => streamed(relay),
+                Ok(Ok(())) => {
+                    // A first token means D has the KV.
+                    if let Some(s) = staged.as_mut() {
+                        s.handed_over();
+                    }
+                    streamed(relay)
+                }
                 Ok(Err(why)) => {
                     relay.discard();
                     let answer = upstream_failure(
@@ -294,7 +316,12 @@ impl Run<'_> {
             }
         } else {
             match whole(ticket, resp, inflight).await {
-                Some(r) => r,
+                Some(r) => {
+                    if let Some(s) = staged.as_mut() {
+                        s.handed_over();
+                    }
+                    r
+                }
                 None => {
                     let answer = upstream_failure(
                         StatusCode::BAD_GATEWAY,
@@ -313,6 +340,45 @@ impl Run<'_> {
             st.cfg.expose_node_header,
         );
         Ok(out)
+    }
+}
+
+/// KV a P holds for a hand-off to D. Until D shows it has the KV (its first
+/// token, or its whole answer) the hand-off may still fail: the client can
+/// leave (dropping this request's future) or D can fail. Dropped before that,
+/// this asks a D to tell P to free the blocks at once, instead of P holding
+/// them for its whole KV lease (vLLM 0.32: 30 s; older versions 480 s).
+pub(crate) struct Staged {
+    st: Arc<AppState>,
+    /// The D the KV was staged for, tried first unless it failed.
+    via: Arc<Node>,
+    via_failed: bool,
+    /// The connector's release request; `None` once handed over (or when the
+    /// protocol stages nothing).
+    release: Option<String>,
+}
+
+impl Staged {
+    fn handed_over(&mut self) {
+        self.release = None;
+    }
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        let Some(body) = self.release.take() else {
+            return;
+        };
+        // A request's future is dropped inside its runtime; without one (a
+        // runtime shutting down) P's lease frees the blocks.
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(upstream::release_staged(
+                Arc::clone(&self.st),
+                Arc::clone(&self.via),
+                self.via_failed,
+                body,
+            ));
+        }
     }
 }
 

@@ -16,6 +16,7 @@ use ppd_core::Role;
 use crate::body::answer_without_router_fields;
 use crate::bookkeeping::upstream_error;
 use crate::error::openai_error;
+use crate::metrics::ResultLabel;
 use crate::registry::{InflightGuard, Node};
 use crate::state::AppState;
 
@@ -128,6 +129,46 @@ pub(crate) async fn send(
         }),
         Ok(Ok(r)) => Ok(r),
     }
+}
+
+/// Sends a connector's release request for KV staged on a P: to `via` (the D
+/// it was staged for) unless `via` failed, else to another decoding node. Any
+/// answer will do (D refuses it by design); only an unreachable node is tried
+/// past.
+pub(crate) async fn release_staged(
+    st: Arc<AppState>,
+    via: Arc<Node>,
+    via_failed: bool,
+    body: String,
+) {
+    let now = st.now_ms();
+    let others = st.registry.nodes();
+    let candidates = (!via_failed).then_some(&via).into_iter().chain(
+        others
+            .iter()
+            .filter(|n| n.id != via.id && n.role.decodes() && n.available(now)),
+    );
+    let timeout = Duration::from_secs_f64(st.cfg.connect_timeout + 5.0);
+    for node in candidates.take(3) {
+        let send = Endpoint::Completions
+            .post(st.client(), node)
+            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
+            .body(body.clone())
+            .send();
+        if let Ok(Ok(_)) = tokio::time::timeout(timeout, send).await {
+            st.metrics
+                .kv_releases
+                .get_or_create(&ResultLabel { result: "sent" })
+                .inc();
+            tracing::info!(node = %node.url, "asked a decode node to free KV staged on P");
+            return;
+        }
+    }
+    st.metrics
+        .kv_releases
+        .get_or_create(&ResultLabel { result: "failed" })
+        .inc();
+    tracing::warn!(via = %via.url, "could not ask any decode node to free KV staged on P; P's lease will");
 }
 
 /// The whole body of an answer, within the request timeout.

@@ -34,6 +34,13 @@ pub(crate) trait KvConnector: Send + Sync {
 
     /// From P's successful answer, the field of D's body that hands D the KV.
     fn handoff(&self, answer: &[u8]) -> Result<Option<Edit<'static>>, HandoffError>;
+
+    /// A `/v1/completions` body that makes a D tell P to free the KV staged
+    /// for a hand-off that will not happen (the client left, or D failed
+    /// before pulling), if the protocol stages KV on P at all.
+    fn release_body(&self, _handoff: &Edit<'_>) -> Option<String> {
+        None
+    }
 }
 
 /// P answered, but not in a way that hands over its KV.

@@ -8,6 +8,9 @@ use crate::registry::Node;
 
 pub(super) struct Nixl;
 
+/// A model name no node serves, for [`Nixl::release_body`].
+pub(crate) const RELEASE_MODEL: &str = "ppd-router/release-staged-kv";
+
 /// What P's body carries so that P keeps the prompt's blocks for a remote decode.
 const HOLD_FOR_DECODE: &str = r#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#;
 
@@ -25,6 +28,19 @@ impl KvConnector for Nixl {
             "kv_transfer_params",
             Cow::Borrowed(HOLD_FOR_DECODE),
         ))
+    }
+
+    /// A request D refuses after reading it (a model it does not serve) while
+    /// carrying P's `kv_transfer_params`: vLLM's rejection cleanup
+    /// (`notify_kv_transfer_request_rejected`) then notifies P, which frees the
+    /// blocks at once instead of holding them for its whole KV lease.
+    fn release_body(&self, handoff: &Edit<'_>) -> Option<String> {
+        match handoff {
+            Edit::Set("kv_transfer_params", kv) => Some(format!(
+                r#"{{"model":"{RELEASE_MODEL}","prompt":[0],"max_tokens":1,"kv_transfer_params":{kv}}}"#
+            )),
+            _ => None,
+        }
     }
 
     /// P's answered `kv_transfer_params`, passed to D unchanged.
@@ -70,6 +86,17 @@ mod tests {
             }
             _ => panic!("expected a set"),
         }
+    }
+
+    #[test]
+    fn a_release_carries_the_params_to_a_model_no_node_serves() {
+        let handoff = Edit::Set("kv_transfer_params", r#"{"remote_request_id":"r1"}"#.into());
+        let body = Nixl.release_body(&handoff).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["model"], RELEASE_MODEL);
+        assert_eq!(v["kv_transfer_params"]["remote_request_id"], "r1");
+        assert_eq!(v["max_tokens"], 1);
+        assert!(Nixl.release_body(&Edit::Remove("x")).is_none());
     }
 
     #[test]
