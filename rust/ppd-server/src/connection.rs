@@ -40,8 +40,8 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tower_service::Service;
 
+use crate::config::RouterConfig;
 use crate::error::{invalid_request, raw_openai_error, with_close};
-use crate::listener::{Shared, Slot};
 
 const WAITING: u8 = 0;
 const HEAD: u8 = 1;
@@ -57,6 +57,48 @@ pub(crate) const LINGER_BYTES: usize = 256 << 20;
 const LINGER_SHORT: Duration = Duration::from_secs(1);
 /// The most time spent writing a refusal to a client that does not read.
 pub(crate) const WRITE_REFUSAL: Duration = Duration::from_secs(1);
+/// The largest request head (request line and header fields) read, bytes;
+/// a longer one is answered 431. Also hyper's largest read buffer.
+pub(crate) const MAX_HEAD_BYTES: usize = 64 * 1024;
+
+/// What every connection of a listener shares: the app, hyper's settings,
+/// the timeouts, and the 408 written without hyper.
+pub(crate) struct Transport {
+    router: Router,
+    http: hyper::server::conn::http1::Builder,
+    header_read: Duration,
+    keep_alive: Duration,
+    /// The 408 for a head not complete in time.
+    head_timeout: Vec<u8>,
+}
+
+impl Transport {
+    pub(crate) fn new(router: Router, cfg: &RouterConfig) -> Transport {
+        let mut http = hyper::server::conn::http1::Builder::new();
+        http.keep_alive(true)
+            // The head's clock is the connection's own (see the module's
+            // doc), which also tells a head from a keep-alive wait.
+            .header_read_timeout(None)
+            .max_buf_size(MAX_HEAD_BYTES);
+        let head_timeout = raw_openai_error(
+            StatusCode::REQUEST_TIMEOUT,
+            &format!(
+                "request head not received completely within {} s (header_read_timeout)",
+                cfg.header_read_timeout
+            ),
+            "invalid_request_error",
+            "header_timeout",
+            "",
+        );
+        Transport {
+            router,
+            http,
+            header_read: Duration::from_secs_f64(cfg.header_read_timeout),
+            keep_alive: Duration::from_secs_f64(cfg.keep_alive_timeout),
+            head_timeout,
+        }
+    }
+}
 
 /// What one connection is doing, shared by its socket wrapper, its service,
 /// its answers' bodies and its task (all in the same task).
@@ -443,16 +485,16 @@ enum Ended {
     Stopped,
 }
 
-/// Serves one accepted connection until it ends; `_slot` holds its place in
-/// the connection budget until the socket is closed.
-pub(crate) async fn serve(
+/// Serves one accepted connection until it ends; `_slot` (its place in the
+/// connection budget) is held until the socket is closed.
+pub(crate) async fn serve<Slot: Send + 'static>(
     tcp: TcpStream,
-    shared: Arc<Shared>,
+    transport: Arc<Transport>,
     mut stop: watch::Receiver<bool>,
     _slot: Slot,
 ) {
-    let header_read = shared.header_read;
-    let keep_alive = shared.keep_alive;
+    let header_read = transport.header_read;
+    let keep_alive = transport.keep_alive;
     let accepted = Instant::now();
     let timer = tokio::time::sleep_until(accepted + header_read);
     tokio::pin!(timer);
@@ -480,10 +522,10 @@ pub(crate) async fn serve(
     });
     let ended = {
         let svc = Svc {
-            router: shared.router.clone(),
+            router: transport.router.clone(),
             conn: Arc::clone(&conn),
         };
-        let http = shared.http.serve_connection(&mut io, svc);
+        let http = transport.http.serve_connection(&mut io, svc);
         tokio::pin!(http);
         let mut stopping = false;
         loop {
@@ -528,7 +570,7 @@ pub(crate) async fn serve(
         Ended::Served(result) => {
             let status = conn.hyper_status.load(Relaxed);
             if status != 0 {
-                let answer = shared.parse_refusal(status);
+                let answer = parse_refusal(status);
                 let _ = tokio::time::timeout(WRITE_REFUSAL, tcp.write_all(&answer)).await;
             } else if let Err(e) = &result {
                 tracing::debug!("connection ended: {e}");
@@ -537,8 +579,8 @@ pub(crate) async fn serve(
         }
         Ended::TimedOut { partial_head } => {
             if partial_head {
-                let _ =
-                    tokio::time::timeout(WRITE_REFUSAL, tcp.write_all(&shared.head_timeout)).await;
+                let _ = tokio::time::timeout(WRITE_REFUSAL, tcp.write_all(&transport.head_timeout))
+                    .await;
                 linger(tcp, LINGER_SHORT).await;
             }
         }
@@ -590,7 +632,8 @@ fn try_read_small(tcp: &TcpStream) -> io::Result<usize> {
 }
 
 /// The OpenAI-style answer for a head hyper refused with `status`.
-pub(crate) fn parse_refusal(status: u16, max_head_bytes: usize) -> Vec<u8> {
+fn parse_refusal(status: u16) -> Vec<u8> {
+    let max_head_bytes = MAX_HEAD_BYTES;
     let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST);
     let (message, code) = match status {
         StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE => (

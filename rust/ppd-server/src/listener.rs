@@ -14,12 +14,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
 use crate::config::RouterConfig;
-use crate::connection::{self, linger, WRITE_REFUSAL};
+use crate::connection::{self, linger, Transport, WRITE_REFUSAL};
 use crate::error::raw_openai_error;
-
-/// The largest request head (request line and header fields) read, bytes;
-/// a longer one is answered 431. Also hyper's largest read buffer.
-pub(crate) const MAX_HEAD_BYTES: usize = 64 * 1024;
 /// Connections being refused (503 written, lingering) at most at once; past
 /// it a refused connection is closed without an answer.
 const MAX_REFUSING: usize = 512;
@@ -64,28 +60,17 @@ impl Drop for Slot {
     }
 }
 
-/// What every connection of a listener shares: the app, hyper's settings,
-/// the timeouts, the budget and the answers written without hyper.
+/// What every acceptor of a listener shares: what its connections share
+/// ([`Transport`]), the connection budget, and the 503 beyond it.
 pub(crate) struct Shared {
-    pub(crate) router: Router,
-    pub(crate) http: hyper::server::conn::http1::Builder,
-    pub(crate) header_read: Duration,
-    pub(crate) keep_alive: Duration,
+    transport: Arc<Transport>,
     budget: Arc<Budget>,
     /// The 503 for a connection over the cap.
     over_capacity: Vec<u8>,
-    /// The 408 for a head not complete in time.
-    pub(crate) head_timeout: Vec<u8>,
 }
 
 impl Shared {
     pub(crate) fn new(router: Router, cfg: &RouterConfig, budget: Arc<Budget>) -> Arc<Shared> {
-        let mut http = hyper::server::conn::http1::Builder::new();
-        http.keep_alive(true)
-            // The head's clock is the connection's own (connection.rs), which
-            // also tells a head from a keep-alive wait.
-            .header_read_timeout(None)
-            .max_buf_size(MAX_HEAD_BYTES);
         let over_capacity = raw_openai_error(
             StatusCode::SERVICE_UNAVAILABLE,
             &format!(
@@ -96,30 +81,11 @@ impl Shared {
             "too_many_connections",
             "retry-after: 1\r\n",
         );
-        let head_timeout = raw_openai_error(
-            StatusCode::REQUEST_TIMEOUT,
-            &format!(
-                "request head not received completely within {} s (header_read_timeout)",
-                cfg.header_read_timeout
-            ),
-            "invalid_request_error",
-            "header_timeout",
-            "",
-        );
         Arc::new(Shared {
-            router,
-            http,
-            header_read: Duration::from_secs_f64(cfg.header_read_timeout),
-            keep_alive: Duration::from_secs_f64(cfg.keep_alive_timeout),
+            transport: Arc::new(Transport::new(router, cfg)),
             budget,
             over_capacity,
-            head_timeout,
         })
-    }
-
-    /// The OpenAI-style answer for a head hyper refused with `status`.
-    pub(crate) fn parse_refusal(&self, status: u16) -> Vec<u8> {
-        connection::parse_refusal(status, MAX_HEAD_BYTES)
     }
 
     /// Answers a connection over the cap with a 503 and closes it, unless
@@ -180,7 +146,7 @@ pub(crate) async fn serve(
             Some(slot) => {
                 tokio::spawn(connection::serve(
                     tcp,
-                    Arc::clone(&shared),
+                    Arc::clone(&shared.transport),
                     conns_rx.clone(),
                     slot,
                 ));
