@@ -660,6 +660,110 @@ mod tests {
         }
     }
 
+    // ---- Client connections and the admin listener ----
+
+    #[test]
+    fn connection_and_admin_settings_name_their_field() {
+        type Mutation = Box<dyn Fn(&mut RouterConfig)>;
+        let cases: Vec<(&str, Mutation)> = vec![
+            (
+                "header_read_timeout",
+                Box::new(|c| c.header_read_timeout = 0.0),
+            ),
+            (
+                "body_read_timeout",
+                Box::new(|c| c.body_read_timeout = f64::NAN),
+            ),
+            (
+                "keep_alive_timeout",
+                Box::new(|c| c.keep_alive_timeout = -1.0),
+            ),
+            ("max_connections", Box::new(|c| c.max_connections = 0)),
+            (
+                "max_connections",
+                Box::new(|c| c.max_connections = usize::MAX),
+            ),
+            ("admin_port", Box::new(|c| c.admin_port = Some(0))),
+            ("admin_port", Box::new(|c| c.admin_port = Some(c.port))),
+            (
+                "admin_host",
+                Box::new(|c| c.admin_host = Some("127.0.0.1".into())),
+            ),
+            (
+                "admin_host",
+                Box::new(|c| {
+                    c.admin_port = Some(9001);
+                    c.admin_host = Some(" ".into());
+                }),
+            ),
+            (
+                "admin_token_file",
+                Box::new(|c| {
+                    c.admin_token = Some("a".into());
+                    c.admin_token_file = Some("/dev/null".into());
+                }),
+            ),
+            (
+                "admin_token_file",
+                Box::new(|c| c.admin_token_file = Some("/nonexistent/ppd-token".into())),
+            ),
+            (
+                "admin_token",
+                Box::new(|c| c.admin_token = Some("two words".into())),
+            ),
+        ];
+        for (field, mutate) in cases {
+            let mut c = RouterConfig::default();
+            mutate(&mut c);
+            let e = c.validate().unwrap_err();
+            assert_eq!(e.field, field, "{e}");
+        }
+    }
+
+    #[test]
+    fn the_admin_token_comes_from_the_setting_the_file_or_the_environment() {
+        let dir = std::env::temp_dir().join(format!("ppd-token-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("token");
+        let resolve = |c: &RouterConfig, env: Option<&str>| {
+            c.resolve_admin_token(env.map(str::to_owned))
+                .map(|s| s.get().map(str::to_owned))
+        };
+        let mut c = RouterConfig::default();
+        assert_eq!(resolve(&c, None).unwrap(), None);
+        assert_eq!(resolve(&c, Some("")).unwrap(), None);
+        assert_eq!(resolve(&c, Some("env")).unwrap().as_deref(), Some("env"));
+        assert_eq!(
+            resolve(&c, Some("bad token")).unwrap_err().message,
+            "must be visible ASCII without spaces or control characters (from PPD_ADMIN_TOKEN)"
+        );
+        for (content, token) in [
+            ("tok\n", Some("tok")),
+            ("tok", Some("tok")),
+            ("tok\r\n", Some("tok")),
+        ] {
+            std::fs::write(&file, content).unwrap();
+            c.admin_token_file = Some(file.display().to_string());
+            assert_eq!(resolve(&c, Some("env")).unwrap().as_deref(), token);
+        }
+        for content in ["", "\n", "tok\n\n", " tok\n", "tok \n"] {
+            std::fs::write(&file, content).unwrap();
+            let e = resolve(&c, None).unwrap_err();
+            assert_eq!(e.field, "admin_token_file", "{content:?}: {e}");
+        }
+        c.admin_token_file = None;
+        c.admin_token = Some("flag".into());
+        assert_eq!(resolve(&c, Some("env")).unwrap().as_deref(), Some("flag"));
+        // The token in force is never serialized, nor shown by Debug.
+        let s = c.validate().unwrap();
+        assert_eq!(s.config().admin_secret.get(), Some("flag"));
+        let mut shown = s.config().clone();
+        shown.admin_token = None;
+        assert!(!format!("{shown:?}").contains("flag"));
+        assert!(!serde_json::to_string(&shown).unwrap().contains("flag"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn enum_settings_are_refused_by_name_when_parsed() {
         for (key, value) in [
