@@ -1,12 +1,13 @@
-"""A router with no live node, and raw-socket HTTP helpers, for the transport's own behaviour (timeouts, caps, refusals)."""
+"""A router with no live node, and raw-socket HTTP helpers, for the transport's own behaviour."""
 
 from __future__ import annotations
 
 import json
 import socket
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Optional
 
 import pytest
 
@@ -94,7 +95,7 @@ def read_answer(sock: socket.socket, timeout: float = 10.0) -> Answer:
 
 
 def closed_within(sock: socket.socket, timeout: float) -> bool:
-    """True when the router closes the connection (EOF or reset) within `timeout` s; bytes that come first are skipped."""
+    """True when the router closes the connection (EOF or reset) within `timeout` s; earlier bytes are skipped."""
     deadline = time.monotonic() + timeout
     while True:
         left = deadline - time.monotonic()
@@ -104,7 +105,7 @@ def closed_within(sock: socket.socket, timeout: float) -> bool:
         try:
             if not sock.recv(65536):
                 return True
-        except socket.timeout:
+        except TimeoutError:
             return False
         except (ConnectionResetError, BrokenPipeError):
             return True

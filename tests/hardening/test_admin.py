@@ -54,7 +54,7 @@ def test_bad_token_sources_are_refused_by_name(tmp_path, monkeypatch):
     f = tmp_path / "token"
     f.write_text("t\n")
     base = {"replica": [DEAD_NODE]}
-    with pytest.raises(ConfigError, match="admin_token_file.*not both"):
+    with pytest.raises(ConfigError, match=r"admin_token_file.*not both"):
         Router(json.dumps({**base, "admin_token": "t", "admin_token_file": str(f)}))
     with pytest.raises(ConfigError, match="admin_token_file"):
         Router(json.dumps({**base, "admin_token_file": str(tmp_path / "missing")}))

@@ -6,7 +6,6 @@ Every bound below only proves "does not hang": a timeout of 1 s must act within 
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -41,7 +40,8 @@ def test_a_connection_without_a_complete_head_is_closed_after_header_read_timeou
 def test_a_body_shorter_than_its_content_length_gets_a_408_and_the_connection_closes(serve, runtime):
     r = serve(body_read_timeout=1, admin_token="secret", runtime=runtime)
     for head in (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n",
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 100\r\n\r\n",
         b"PUT /admin/weights HTTP/1.1\r\nHost: r\r\nAuthorization: Bearer secret\r\nContent-Length: 100\r\n\r\n",
     ):
         s = connect(r.port)
