@@ -40,12 +40,21 @@ def serve() -> Iterator[Callable[..., Served]]:
         return Served(router, url, port)
 
     yield start
+    # A socket a failed test left open must not hold up a stop.
+    while OPEN:
+        OPEN.pop().close()
     for r in made:
         r.stop()
 
 
+# Sockets made by `connect`, closed after each test that uses `serve`.
+OPEN: list[socket.socket] = []
+
+
 def connect(port: int, timeout: float = 10.0) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    OPEN.append(s)
+    return s
 
 
 @dataclass

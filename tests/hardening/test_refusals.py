@@ -112,9 +112,9 @@ def test_a_chunked_body_over_the_limit_gets_a_413_too(serve):
     r = serve(max_body_bytes=1024)
     s = connect(r.port)
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked\r\n\r\n")
-    piece = b"x" * 4096
+    piece = b"x" * 65536
     try:
-        for _ in range(64):
+        for _ in range(256):  # 16 MiB, much more than socket buffers hold
             s.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
         s.sendall(b"0\r\n\r\n")
     except (BrokenPipeError, ConnectionResetError):

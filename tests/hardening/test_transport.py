@@ -16,7 +16,7 @@ import pytest
 from ppd_router import ConfigError, Router
 from tests.helpers import free_port
 
-from .conftest import assert_openai_error, closed_within, connect, read_answer
+from .conftest import OPEN, assert_openai_error, closed_within, connect, read_answer
 
 RUNTIMES = ["thread-per-core", "work-stealing"]
 
@@ -171,5 +171,7 @@ def test_stop_lets_an_open_stream_finish_and_closes_idle_connections(runtime):
         with pytest.raises(httpx.ConnectError):
             httpx.get(url + "/v1/models", timeout=2)
     finally:
+        while OPEN:
+            OPEN.pop().close()
         router.stop()
         upstream.shutdown()
