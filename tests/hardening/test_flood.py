@@ -17,7 +17,7 @@ from tests.helpers import free_port
 
 from .conftest import DEAD_NODE
 
-FLOOD = 6000  # over the default max_connections (4096)
+FLOOD = 10000  # well over the default max_connections (4096)
 DEFAULT_MAX_CONNECTIONS = 4096
 # The refusals the router answers at once (each lingers ~2 s) and its own descriptors.
 SLACK_FDS = 512 + 64

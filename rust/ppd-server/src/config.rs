@@ -467,6 +467,13 @@ impl RouterConfig {
 /// The largest `max_connections` accepted.
 const MAX_CONNECTIONS_LIMIT: usize = 1 << 20;
 
+/// A validated (positive, finite) number of seconds as a `Duration`, at most
+/// a year: a longer one is as good as none, and would overflow an `Instant`.
+pub(crate) fn seconds(v: f64) -> std::time::Duration {
+    const YEAR: std::time::Duration = std::time::Duration::from_secs(365 * 86_400);
+    std::time::Duration::try_from_secs_f64(v).map_or(YEAR, |d| d.min(YEAR))
+}
+
 // ---- Client connections and the admin listener: validation ----
 impl RouterConfig {
     fn validate_connections(&self) -> Result<(), ConfigError> {

@@ -40,7 +40,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tower_service::Service;
 
-use crate::config::RouterConfig;
+use crate::config::{seconds, RouterConfig};
 use crate::error::{invalid_request, raw_openai_error, with_close};
 
 const WAITING: u8 = 0;
@@ -93,8 +93,8 @@ impl Transport {
         Transport {
             router,
             http,
-            header_read: Duration::from_secs_f64(cfg.header_read_timeout),
-            keep_alive: Duration::from_secs_f64(cfg.keep_alive_timeout),
+            header_read: seconds(cfg.header_read_timeout),
+            keep_alive: seconds(cfg.keep_alive_timeout),
             head_timeout,
         }
     }

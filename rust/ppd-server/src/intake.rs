@@ -1,10 +1,9 @@
 //! Reading a request body: within a size limit and a time limit, or refused with an OpenAI error (413, 408, 400).
 
+use crate::config::seconds;
+use crate::error::{body_timeout, body_too_large, invalid_request};
 use axum::body::{Body, Bytes, HttpBody};
 use axum::response::Response;
-use std::time::Duration;
-
-use crate::error::{body_timeout, body_too_large, invalid_request};
 
 /// The whole body, at most `limit` bytes, arrived within `timeout` seconds.
 ///
@@ -18,7 +17,7 @@ pub(crate) async fn read_within(body: Body, limit: usize, timeout: f64) -> Resul
         return Err(body_too_large(limit));
     }
     let read = axum::body::to_bytes(body, limit);
-    match tokio::time::timeout(Duration::from_secs_f64(timeout), read).await {
+    match tokio::time::timeout(seconds(timeout), read).await {
         Ok(Ok(bytes)) => Ok(bytes),
         Ok(Err(e)) => {
             let too_big = std::error::Error::source(&e)

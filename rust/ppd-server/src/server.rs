@@ -197,6 +197,7 @@ pub async fn run(
     if let Some(tx) = ready {
         let _ = tx.send(Arc::clone(&state));
     }
+    warn_if_few_descriptors(cfg.max_connections);
     let (stop_tx, stop_rx) = watch::channel(false);
     let main = Shared::new(
         app(Arc::clone(&state)),
@@ -238,6 +239,31 @@ pub async fn run(
     };
     bg.abort();
     served
+}
+
+/// Warns when the process may run out of file descriptors before it reaches
+/// `max_connections` (accept then fails and connections wait in the backlog).
+fn warn_if_few_descriptors(max_connections: usize) {
+    #[cfg(unix)]
+    {
+        let mut lim = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit writes only into the struct it is given.
+        let ok = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0;
+        // Refusals in progress, the admin listener, upstream connections, files.
+        let need = (max_connections + 1024) as libc::rlim_t;
+        if ok && lim.rlim_cur != libc::RLIM_INFINITY && lim.rlim_cur < need {
+            tracing::warn!(
+                "the open-file limit ({}) is below max_connections ({max_connections}) + 1024: \
+                 raise it (ulimit -n) or lower max_connections",
+                lim.rlim_cur
+            );
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = max_connections;
 }
 
 /// Tokio wakes its driver (an eventfd write, and an extra `epoll_wait` return)
@@ -344,7 +370,11 @@ fn io_thread_error(
 
 /// Listens on `host:port` with an accept backlog of [`ACCEPT_BACKLOG`].
 pub async fn bind(host: &str, port: u16) -> Result<tokio::net::TcpListener, ServerError> {
-    let addr = format!("{host}:{port}");
+    let addr = if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}") // an IPv6 address
+    } else {
+        format!("{host}:{port}")
+    };
     let cannot = |e: std::io::Error| ServerError::Config(format!("cannot listen on {addr}: {e}"));
     let mut last = None;
     for a in tokio::net::lookup_host(&addr).await.map_err(cannot)? {
