@@ -108,7 +108,7 @@ def test_the_new_settings_are_checked_and_named(serve):
         ("body_read_timeout", -1),
         ("keep_alive_timeout", -0.5),
     ]:
-        with pytest.raises(ConfigError, match=key):
+        with pytest.raises(ConfigError, match=f"{key}`: must be"):
             Router(json.dumps({"replica": ["http://127.0.0.1:9"], key: value}))
 
 
