@@ -31,7 +31,14 @@ _SCALARS: dict[str, tuple[type, str]] = {
     "kv_protocol": (str, "nixl | p2pnccl | none (default nixl)"),
     "host": (str, "address to listen on (default 127.0.0.1)"),
     "port": (int, "port to listen on (default 8000)"),
-    "admin_token": (str, "bearer token of the admin API (disabled without it)"),
+    "admin_token": (
+        str,
+        "bearer token of the admin API (disabled without a token); visible on the command line, so prefer "
+        "--admin-token-file or the PPD_ADMIN_TOKEN environment variable",
+    ),
+    "admin_token_file": (str, "file holding the admin bearer token (one trailing newline stripped)"),
+    "admin_port": (int, "serve /admin/* and /metrics on this port only (the main port answers them 404)"),
+    "admin_host": (str, "address of the admin listener (default: --host; needs --admin-port)"),
     "session_ttl": (float, "session idle TTL in seconds (default 3600)"),
     "session_capacity": (int, "live sessions kept at most (default 1000000)"),
     "session_max_bytes": (int, "memory the session table may take, ids included, in bytes (default 256 MiB)"),
@@ -63,6 +70,10 @@ _SCALARS: dict[str, tuple[type, str]] = {
         "longest wait for a streamed answer's first token in seconds; past it the node counts as failed "
         "and the request is retried once elsewhere (default 60)",
     ),
+    "header_read_timeout": (float, "seconds a connection has to send a complete request head (default 10)"),
+    "body_read_timeout": (float, "seconds a request body has to arrive, else 408 (default 30)"),
+    "keep_alive_timeout": (float, "seconds an idle kept-alive connection stays open (default 75)"),
+    "max_connections": (int, "open client connections at most; beyond it 503 + Retry-After (default 4096)"),
 }
 # On/off settings: the flag turns them on (the file may too).
 _SWITCHES = {

@@ -41,6 +41,22 @@ def test_with_every_p_down_new_conversations_prefill_on_a_pd(cluster_factory) ->
     assert (r2.status_code, r2.headers["x-ppd-path"]) == (200, "local")
 
 
+def test_health_says_degraded_while_serving_and_503_when_nothing_can(cluster_factory) -> None:  # noqa: F811
+    c = cluster_factory({"P": 1, "pD": 1}, policy="local")
+    h = httpx.get(c.url + "/health", timeout=5)
+    assert (h.status_code, h.json()["status"]) == (200, "ok")
+    c.nodes["P"][0].kill()
+    time.sleep(1.5)  # two health rounds
+    h = httpx.get(c.url + "/health", timeout=5)
+    assert (h.status_code, h.json()["status"]) == (200, "degraded")
+    assert h.json()["nodes"]["P"] == {"available": 0, "total": 1}
+    c.nodes["pD"][0].kill()
+    time.sleep(1.5)
+    h = httpx.get(c.url + "/health", timeout=5)
+    assert h.status_code == 503
+    assert h.json()["status"] == "unavailable" and h.json()["error"]["code"] == "no_eligible_node"
+
+
 def test_a_p_that_fails_every_prefill_is_replaced_by_the_pd(cluster_factory) -> None:  # noqa: F811
     c = cluster_factory({"P": 1, "pD": 1}, policy="local")
     set_faults(c.nodes["P"][0], error_rate=1.0)

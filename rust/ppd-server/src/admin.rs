@@ -1,5 +1,6 @@
 //! The admin API (bearer-token protected JSON): nodes, sessions, table, weights, policy, decision statistics.
 
+use axum::body::{Body, Bytes};
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -10,11 +11,13 @@ use serde_json::json;
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use subtle::ConstantTimeEq;
 
 use ppd_core::builtin::load_table;
 use ppd_core::{PolicyKind, Role, Weights};
 
 use crate::error::openai_error;
+use crate::intake::read_within;
 use crate::registry::Source;
 use crate::state::AppState;
 
@@ -30,20 +33,24 @@ pub fn routes() -> Router<Arc<AppState>> {
 }
 
 /// Refuses without the configured bearer token (and always when none is configured).
+///
+/// The token presented is compared as given (no trimming: hyper already drops
+/// the whitespace around a header value) and in constant time, so the time
+/// of a refusal tells nothing about how much of a guess was right.
 fn refusal(st: &AppState, headers: &HeaderMap) -> Option<Response> {
-    let Some(token) = &st.cfg.admin_token else {
+    let Some(token) = st.cfg.admin_secret.get() else {
         return Some(openai_error(
             StatusCode::FORBIDDEN,
-            "the admin API is disabled; start the router with --admin-token",
+            "the admin API is disabled; start the router with an admin token \
+             (admin_token_file, PPD_ADMIN_TOKEN or admin_token)",
             "permission_error",
             "admin_disabled",
         ));
     };
     let given = headers
         .get("authorization")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    if given.map(str::trim) != Some(token.as_str()) {
+        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "));
+    if !given.is_some_and(|g| bool::from(g.ct_eq(token.as_bytes()))) {
         return Some(openai_error(
             StatusCode::UNAUTHORIZED,
             "missing or wrong admin bearer token",
@@ -52,6 +59,14 @@ fn refusal(st: &AppState, headers: &HeaderMap) -> Option<Response> {
         ));
     }
     None
+}
+
+/// Most bytes an admin request body may have.
+const ADMIN_BODY_BYTES: usize = 1 << 20;
+
+/// An admin request's body, within [`ADMIN_BODY_BYTES`] and `body_read_timeout`.
+async fn read(st: &AppState, body: Body) -> Result<Bytes, Response> {
+    read_within(body, ADMIN_BODY_BYTES, st.cfg.body_read_timeout).await
 }
 
 fn bad_request(msg: impl Into<String>) -> Response {
@@ -104,12 +119,12 @@ struct RegisterBody {
     zmq_address: Option<String>,
 }
 
-async fn register(
-    State(st): State<Arc<AppState>>,
-    h: HeaderMap,
-    body: axum::body::Bytes,
-) -> Response {
+async fn register(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) -> Response {
     authorized!(st, h);
+    let body = match read(&st, body).await {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
     let b: RegisterBody = match serde_json::from_slice(&body) {
         Ok(b) => b,
         Err(e) => {
@@ -225,12 +240,12 @@ struct ReloadBody {
     path: Option<String>,
 }
 
-async fn reload(
-    State(st): State<Arc<AppState>>,
-    h: HeaderMap,
-    body: axum::body::Bytes,
-) -> Response {
+async fn reload(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) -> Response {
     authorized!(st, h);
+    let body = match read(&st, body).await {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
     let b: ReloadBody = if body.is_empty() {
         ReloadBody { path: None }
     } else {
@@ -270,12 +285,12 @@ struct WeightsBody {
     w_tpot: f64,
 }
 
-async fn set_weights(
-    State(st): State<Arc<AppState>>,
-    h: HeaderMap,
-    body: axum::body::Bytes,
-) -> Response {
+async fn set_weights(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) -> Response {
     authorized!(st, h);
+    let body = match read(&st, body).await {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
     let b: WeightsBody = match serde_json::from_slice(&body) {
         Ok(b) => b,
         Err(e) => return bad_request(format!("body: {e}; expected {{\"w_ttft\", \"w_tpot\"}}")),
@@ -300,12 +315,12 @@ struct PolicyBody {
     policy: String,
 }
 
-async fn set_policy(
-    State(st): State<Arc<AppState>>,
-    h: HeaderMap,
-    body: axum::body::Bytes,
-) -> Response {
+async fn set_policy(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) -> Response {
     authorized!(st, h);
+    let body = match read(&st, body).await {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
     let b: PolicyBody = match serde_json::from_slice(&body) {
         Ok(b) => b,
         Err(e) => return bad_request(format!("body: {e}; expected {{\"policy\"}}")),

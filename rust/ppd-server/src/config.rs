@@ -117,6 +117,58 @@ pub struct RouterConfig {
     pub rate_limit: u32,
     /// Requests allowed in a burst above the rate (0: the rate itself).
     pub rate_limit_burst: u32,
+
+    // ---- Client connections and the admin listener (listener.rs, connection.rs, admin.rs) ----
+    /// Seconds a connection has to send a complete request head: from accept
+    /// for its first request, from the request's first byte for later ones.
+    /// Past it the connection is closed (with a 408 when part of a head came).
+    pub header_read_timeout: f64,
+    /// Seconds a request's body has to arrive completely; past it the answer
+    /// is a 408 and the connection is closed.
+    pub body_read_timeout: f64,
+    /// Seconds a kept-alive connection may stay idle between requests.
+    pub keep_alive_timeout: f64,
+    /// Open client connections at most, over all I/O threads (at least 1).
+    /// One more is answered 503 with `Retry-After` and closed. The admin
+    /// listener has its own, smaller budget.
+    pub max_connections: usize,
+    /// Serve `/admin/*` and `/metrics` on this port only; the main port
+    /// answers them 404.
+    pub admin_port: Option<u16>,
+    /// Address of the admin listener (default: `host`); needs `admin_port`.
+    pub admin_host: Option<String>,
+    /// A file whose content is the admin bearer token (one trailing newline
+    /// stripped, nothing else); instead of `admin_token`, never both.
+    pub admin_token_file: Option<String>,
+    /// The admin token in force, resolved once by [`RouterConfig::validate`]:
+    /// `admin_token`, else the content of `admin_token_file`, else the
+    /// environment variable [`ADMIN_TOKEN_ENV`]. Never serialized, never printed.
+    #[serde(skip)]
+    pub admin_secret: AdminSecret,
+}
+
+/// The environment variable read for the admin token when neither
+/// `admin_token` nor `admin_token_file` is set.
+pub const ADMIN_TOKEN_ENV: &str = "PPD_ADMIN_TOKEN";
+
+/// The admin bearer token in force; its `Debug` never shows it.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct AdminSecret(Option<String>);
+
+impl AdminSecret {
+    pub fn get(&self) -> Option<&str> {
+        self.0.as_deref()
+    }
+}
+
+impl fmt::Debug for AdminSecret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "AdminSecret(set)"
+        } else {
+            "AdminSecret(none)"
+        })
+    }
 }
 
 impl Default for RouterConfig {
@@ -164,6 +216,15 @@ impl Default for RouterConfig {
             queue_timeout: 30.0,
             rate_limit: 0,
             rate_limit_burst: 0,
+
+            header_read_timeout: 10.0,
+            body_read_timeout: 30.0,
+            keep_alive_timeout: 75.0,
+            max_connections: 4096,
+            admin_port: None,
+            admin_host: None,
+            admin_token_file: None,
+            admin_secret: AdminSecret::default(),
         }
     }
 }
@@ -359,7 +420,7 @@ impl RouterConfig {
     }
 
     /// Rejects every bad value once, before anything starts.
-    pub fn validate(self) -> Result<Settings, ConfigError> {
+    pub fn validate(mut self) -> Result<Settings, ConfigError> {
         if self.host.trim().is_empty() {
             return Err(bad("host", "must not be empty"));
         }
@@ -415,11 +476,8 @@ impl RouterConfig {
                 return Err(bad("replica_share", format!("must be in [0, 1], got {s}")));
             }
         }
-        if let Some(t) = &self.admin_token {
-            if t.trim().is_empty() {
-                return Err(bad("admin_token", "must not be empty when given"));
-            }
-        }
+        self.validate_connections()?;
+        self.admin_secret = self.resolve_admin_token(std::env::var(ADMIN_TOKEN_ENV).ok())?;
         let mut static_nodes = Vec::new();
         for role in Role::ALL {
             for url in self.nodes_of(role) {
@@ -444,6 +502,101 @@ impl RouterConfig {
             nodes: static_nodes,
             emulated,
         })
+    }
+}
+
+/// The largest `max_connections` accepted.
+const MAX_CONNECTIONS_LIMIT: usize = 1 << 20;
+
+/// A validated (positive, finite) number of seconds as a `Duration`, at most
+/// a year: a longer one is as good as none, and would overflow an `Instant`.
+pub(crate) fn seconds(v: f64) -> std::time::Duration {
+    const YEAR: std::time::Duration = std::time::Duration::from_secs(365 * 86_400);
+    std::time::Duration::try_from_secs_f64(v).map_or(YEAR, |d| d.min(YEAR))
+}
+
+// ---- Client connections and the admin listener: validation ----
+impl RouterConfig {
+    fn validate_connections(&self) -> Result<(), ConfigError> {
+        for (field, v) in [
+            ("header_read_timeout", self.header_read_timeout),
+            ("body_read_timeout", self.body_read_timeout),
+            ("keep_alive_timeout", self.keep_alive_timeout),
+        ] {
+            positive(field, v)?;
+        }
+        if self.max_connections == 0 || self.max_connections > MAX_CONNECTIONS_LIMIT {
+            return Err(bad(
+                "max_connections",
+                format!(
+                    "must be from 1 to {MAX_CONNECTIONS_LIMIT} (there is no unlimited setting), got {}",
+                    self.max_connections
+                ),
+            ));
+        }
+        if let Some(h) = &self.admin_host {
+            if h.trim().is_empty() {
+                return Err(bad("admin_host", "must not be empty when given"));
+            }
+            if self.admin_port.is_none() {
+                return Err(bad("admin_host", "needs admin_port"));
+            }
+        }
+        if let Some(p) = self.admin_port {
+            if p == 0 {
+                return Err(bad("admin_port", "must be a port from 1 to 65535"));
+            }
+            let admin_host = self.admin_host.as_deref().unwrap_or(&self.host);
+            if p == self.port && admin_host == self.host {
+                return Err(bad(
+                    "admin_port",
+                    format!("must differ from port ({p}) on the same host"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The admin token in force: `admin_token`, else the content of
+    /// `admin_token_file` (one trailing newline stripped, nothing else), else
+    /// `env` (the value of [`ADMIN_TOKEN_ENV`]; empty counts as unset).
+    fn resolve_admin_token(&self, env: Option<String>) -> Result<AdminSecret, ConfigError> {
+        // (the setting a bad token is reported under, where it came from, the token)
+        let (field, from, token) = match (&self.admin_token, &self.admin_token_file) {
+            (Some(_), Some(_)) => {
+                return Err(bad(
+                    "admin_token_file",
+                    "give admin_token or admin_token_file, not both",
+                ))
+            }
+            (Some(t), None) => ("admin_token", String::new(), t.clone()),
+            (None, Some(path)) => {
+                let mut t = std::fs::read_to_string(path)
+                    .map_err(|e| bad("admin_token_file", format!("cannot read {path}: {e}")))?;
+                if t.ends_with('\n') {
+                    t.pop();
+                    if t.ends_with('\r') {
+                        t.pop();
+                    }
+                }
+                ("admin_token_file", format!(" (the content of {path})"), t)
+            }
+            (None, None) => match env.filter(|t| !t.is_empty()) {
+                Some(t) => ("admin_token", format!(" (from {ADMIN_TOKEN_ENV})"), t),
+                None => return Ok(AdminSecret(None)),
+            },
+        };
+        if token.trim().is_empty() {
+            return Err(bad(field, format!("must not be empty when given{from}")));
+        }
+        // A bearer token travels in a header value: visible ASCII, no spaces.
+        if !token.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(bad(
+                field,
+                format!("must be visible ASCII without spaces or control characters{from}"),
+            ));
+        }
+        Ok(AdminSecret(Some(token)))
     }
 }
 
@@ -553,6 +706,110 @@ mod tests {
             let e = c.validate().unwrap_err();
             assert_eq!(e.field, field, "{e}");
         }
+    }
+
+    // ---- Client connections and the admin listener ----
+
+    #[test]
+    fn connection_and_admin_settings_name_their_field() {
+        type Mutation = Box<dyn Fn(&mut RouterConfig)>;
+        let cases: Vec<(&str, Mutation)> = vec![
+            (
+                "header_read_timeout",
+                Box::new(|c| c.header_read_timeout = 0.0),
+            ),
+            (
+                "body_read_timeout",
+                Box::new(|c| c.body_read_timeout = f64::NAN),
+            ),
+            (
+                "keep_alive_timeout",
+                Box::new(|c| c.keep_alive_timeout = -1.0),
+            ),
+            ("max_connections", Box::new(|c| c.max_connections = 0)),
+            (
+                "max_connections",
+                Box::new(|c| c.max_connections = usize::MAX),
+            ),
+            ("admin_port", Box::new(|c| c.admin_port = Some(0))),
+            ("admin_port", Box::new(|c| c.admin_port = Some(c.port))),
+            (
+                "admin_host",
+                Box::new(|c| c.admin_host = Some("127.0.0.1".into())),
+            ),
+            (
+                "admin_host",
+                Box::new(|c| {
+                    c.admin_port = Some(9001);
+                    c.admin_host = Some(" ".into());
+                }),
+            ),
+            (
+                "admin_token_file",
+                Box::new(|c| {
+                    c.admin_token = Some("a".into());
+                    c.admin_token_file = Some("/dev/null".into());
+                }),
+            ),
+            (
+                "admin_token_file",
+                Box::new(|c| c.admin_token_file = Some("/nonexistent/ppd-token".into())),
+            ),
+            (
+                "admin_token",
+                Box::new(|c| c.admin_token = Some("two words".into())),
+            ),
+        ];
+        for (field, mutate) in cases {
+            let mut c = RouterConfig::default();
+            mutate(&mut c);
+            let e = c.validate().unwrap_err();
+            assert_eq!(e.field, field, "{e}");
+        }
+    }
+
+    #[test]
+    fn the_admin_token_comes_from_the_setting_the_file_or_the_environment() {
+        let dir = std::env::temp_dir().join(format!("ppd-token-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("token");
+        let resolve = |c: &RouterConfig, env: Option<&str>| {
+            c.resolve_admin_token(env.map(str::to_owned))
+                .map(|s| s.get().map(str::to_owned))
+        };
+        let mut c = RouterConfig::default();
+        assert_eq!(resolve(&c, None).unwrap(), None);
+        assert_eq!(resolve(&c, Some("")).unwrap(), None);
+        assert_eq!(resolve(&c, Some("env")).unwrap().as_deref(), Some("env"));
+        assert_eq!(
+            resolve(&c, Some("bad token")).unwrap_err().message,
+            "must be visible ASCII without spaces or control characters (from PPD_ADMIN_TOKEN)"
+        );
+        for (content, token) in [
+            ("tok\n", Some("tok")),
+            ("tok", Some("tok")),
+            ("tok\r\n", Some("tok")),
+        ] {
+            std::fs::write(&file, content).unwrap();
+            c.admin_token_file = Some(file.display().to_string());
+            assert_eq!(resolve(&c, Some("env")).unwrap().as_deref(), token);
+        }
+        for content in ["", "\n", "tok\n\n", " tok\n", "tok \n"] {
+            std::fs::write(&file, content).unwrap();
+            let e = resolve(&c, None).unwrap_err();
+            assert_eq!(e.field, "admin_token_file", "{content:?}: {e}");
+        }
+        c.admin_token_file = None;
+        c.admin_token = Some("flag".into());
+        assert_eq!(resolve(&c, Some("env")).unwrap().as_deref(), Some("flag"));
+        // The token in force is never serialized, nor shown by Debug.
+        let s = c.validate().unwrap();
+        assert_eq!(s.config().admin_secret.get(), Some("flag"));
+        let mut shown = s.config().clone();
+        shown.admin_token = None;
+        assert!(!format!("{shown:?}").contains("flag"));
+        assert!(!serde_json::to_string(&shown).unwrap().contains("flag"));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -175,28 +175,9 @@ fn is_json(headers: &HeaderMap) -> bool {
         .is_some_and(|mime| mime.trim().eq_ignore_ascii_case("application/json"))
 }
 
-/// The body, within the configured size limit.
+/// The body, within the configured size limit and body-read timeout.
 async fn read_body(st: &AppState, body: Body) -> Result<Bytes, Response> {
-    axum::body::to_bytes(body, st.cfg.max_body_bytes)
-        .await
-        .map_err(|e| {
-            let too_big = std::error::Error::source(&e)
-                .is_some_and(|s| s.to_string().contains("length limit"))
-                || e.to_string().contains("length limit");
-            if too_big {
-                openai_error(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    format!(
-                        "request body exceeds the limit of {} bytes",
-                        st.cfg.max_body_bytes
-                    ),
-                    "invalid_request_error",
-                    "body_too_large",
-                )
-            } else {
-                invalid_request(format!("cannot read request body: {e}"), "bad_body")
-            }
-        })
+    crate::intake::read_within(body, st.cfg.max_body_bytes, st.cfg.body_read_timeout).await
 }
 
 /// The parsed request, refused when it lacks what its endpoint needs or names

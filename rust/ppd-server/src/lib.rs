@@ -5,8 +5,11 @@
 //! P, D, vetoes) → [`orchestrate`] (through the [`connector`] of the KV
 //! protocol) → [`upstream`] and [`relay`] (node calls, the relayed answer) →
 //! [`bookkeeping`] (session update, metrics). Side planes: [`registry`],
-//! [`admin`], [`metrics`]. Emulated nodes are started by the caller; this
-//! crate never links the emulator.
+//! [`admin`], [`metrics`]. Under them, the transport: `listener` (accept
+//! loop, connection cap, graceful stop) and `connection` (hyper per
+//! connection: timeouts, refusals as OpenAI errors, lingering close).
+//! Emulated nodes are started by the caller; this crate never links the
+//! emulator.
 
 // The request path returns `Result<_, Response>`: a refusal is the answer to
 // send, built once on the way out; boxing it would only add an allocation.
@@ -17,10 +20,13 @@ mod admission;
 pub mod body;
 mod bookkeeping;
 pub mod config;
+mod connection;
 mod connector;
 pub mod error;
 mod identify;
 mod ingress;
+mod intake;
+mod listener;
 pub mod metrics;
 mod orchestrate;
 pub mod registry;

@@ -1,36 +1,65 @@
 //! Assembles the HTTP service, starts the background planes (health checks, heartbeat expiry, session sweep) and runs until shutdown.
 
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::serve::ListenerExt;
 use axum::{Json, Router};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::watch;
 
 use ppd_core::Role;
 
 use crate::config::{RouterConfig, Runtime, Settings};
-use crate::error::openai_error;
+use crate::error::{method_not_allowed, openai_error};
 use crate::ingress;
+use crate::listener::{self, Budget, Shared, ADMIN_MAX_CONNECTIONS};
 use crate::metrics::NodeStateLabels;
 use crate::registry::NodeState;
 use crate::state::AppState;
 use crate::ServerError;
 
+/// The main port's app: the OpenAI endpoints, `/health`, and — unless
+/// `admin_port` moves them to a listener of their own ([`admin_app`]) —
+/// `/metrics` and the admin API.
 pub fn app(state: Arc<AppState>) -> Router {
-    Router::new()
+    let main = Router::new()
         .route("/v1/chat/completions", post(ingress::chat))
         .route("/v1/completions", post(ingress::complete))
         .route("/v1/models", get(models))
-        .route("/health", get(health))
-        .route("/metrics", get(metrics))
-        .merge(crate::admin::routes())
+        .route("/health", get(health));
+    let main = if state.cfg.admin_port.is_none() {
+        main.route("/metrics", get(metrics))
+            .merge(crate::admin::routes())
+    } else {
+        main
+    };
+    finish(main, state)
+}
+
+/// The admin listener's app (with `admin_port`): `/metrics` and the admin API.
+pub fn admin_app(state: Arc<AppState>) -> Router {
+    finish(
+        Router::new()
+            .route("/metrics", get(metrics))
+            .merge(crate::admin::routes()),
+        state,
+    )
+}
+
+/// Unknown paths and methods answered as OpenAI errors.
+fn finish(router: Router<Arc<AppState>>, state: Arc<AppState>) -> Router {
+    router
         .fallback(not_found)
+        .method_not_allowed_fallback(wrong_method)
         .with_state(state)
+}
+
+async fn wrong_method(method: Method, uri: Uri) -> Response {
+    method_not_allowed(method.as_str(), uri.path())
 }
 
 async fn not_found() -> Response {
@@ -48,23 +77,37 @@ async fn models(State(st): State<Arc<AppState>>) -> Response {
 }
 
 /// Healthy when some node can decode (a D, pD or R is available).
+/// `{"status", "nodes": {role: {"available", "total"}}}`: `ok` (200) when
+/// every node is available, `degraded` (200) when some node is out but some
+/// D, pD or R can still serve (with every P out, pD nodes prefill:
+/// `p_unavailable`), `unavailable` (503) when none can.
 async fn health(State(st): State<Arc<AppState>>) -> Response {
     let now = st.now_ms();
-    let ok = st
-        .registry
-        .nodes()
-        .iter()
-        .any(|n| n.role != Role::P && n.available(now));
-    if ok {
-        (StatusCode::OK, "ok").into_response()
-    } else {
-        openai_error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "no healthy decode or replica node",
-            "service_unavailable",
-            "no_eligible_node",
-        )
+    let nodes = st.registry.nodes();
+    let mut by_role = serde_json::Map::new();
+    for role in Role::ALL {
+        let of_role: Vec<_> = nodes.iter().filter(|n| n.role == role).collect();
+        if !of_role.is_empty() {
+            let available = of_role.iter().filter(|n| n.available(now)).count();
+            by_role.insert(
+                role.as_str().into(),
+                serde_json::json!({"available": available, "total": of_role.len()}),
+            );
+        }
     }
+    let serves = nodes.iter().any(|n| n.role != Role::P && n.available(now));
+    let (status, code) = match (serves, nodes.iter().all(|n| n.available(now))) {
+        (false, _) => ("unavailable", StatusCode::SERVICE_UNAVAILABLE),
+        (true, true) => ("ok", StatusCode::OK),
+        (true, false) => ("degraded", StatusCode::OK),
+    };
+    let mut body = serde_json::json!({"status": status, "nodes": by_role});
+    if !serves {
+        // An OpenAI-style error beside the counts, like every other refusal.
+        body["error"] = serde_json::json!({"message": "no healthy decode or replica node",
+            "type": "service_unavailable", "param": null, "code": "no_eligible_node"});
+    }
+    (code, Json(body)).into_response()
 }
 
 async fn metrics(State(st): State<Arc<AppState>>) -> Response {
@@ -146,6 +189,7 @@ async fn background(st: Arc<AppState>) {
 /// Runs the router on `listener` until `shutdown` resolves.
 /// An emulated layout must have been started (and turned into nodes with
 /// [`Settings::with_emulated_nodes`]) by the caller: the router runs on nodes only.
+/// With `admin_port`, the admin listener is bound here, before `ready`.
 pub async fn run(
     settings: Settings,
     listener: tokio::net::TcpListener,
@@ -158,38 +202,83 @@ pub async fn run(
         ));
     }
     let state = AppState::build(&settings)?;
+    let cfg = &state.cfg;
+    let admin_listener = match cfg.admin_port {
+        Some(port) => Some(bind(cfg.admin_host.as_deref().unwrap_or(&cfg.host), port).await?),
+        None => None,
+    };
     check_health(&state).await;
     let bg = tokio::spawn(background(Arc::clone(&state)));
     if let Some(tx) = ready {
         let _ = tx.send(Arc::clone(&state));
     }
-    let served = if state.cfg.runtime == Runtime::WorkStealing {
-        let keeper = tokio::spawn(keep_timer_wake_near());
-        let served = axum::serve(with_nodelay(listener), app(Arc::clone(&state)))
-            .with_graceful_shutdown(shutdown)
-            .await
-            .map_err(ServerError::Io);
-        keeper.abort();
+    warn_if_few_descriptors(cfg.max_connections);
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let main = Shared::new(
+        app(Arc::clone(&state)),
+        cfg,
+        Budget::new(cfg.max_connections),
+    );
+    let serving_main = async {
+        let served = if cfg.runtime == Runtime::WorkStealing {
+            let keeper = tokio::spawn(keep_timer_wake_near());
+            listener::serve(listener, main, stop_rx.clone()).await;
+            keeper.abort();
+            Ok(())
+        } else {
+            serve_thread_per_core(listener, main, io_threads(cfg), &stop_tx).await
+        };
+        // Whatever ended it, the admin listener stops too.
+        let _ = stop_tx.send(true);
         served
-    } else {
-        let threads = io_threads(&state.cfg);
-        serve_thread_per_core(listener, Arc::clone(&state), threads, shutdown).await
+    };
+    let serving_admin = async {
+        if let Some(l) = admin_listener {
+            let admin = Shared::new(
+                admin_app(Arc::clone(&state)),
+                cfg,
+                Budget::new(ADMIN_MAX_CONNECTIONS.min(cfg.max_connections)),
+            );
+            listener::serve(l, admin, stop_rx.clone()).await;
+        }
+    };
+    let serving = async { tokio::join!(serving_main, serving_admin).0 };
+    tokio::pin!(serving);
+    let served = tokio::select! {
+        // Only a failed I/O thread ends it before shutdown.
+        served = &mut serving => served,
+        () = shutdown => {
+            let _ = stop_tx.send(true);
+            serving.await
+        }
     };
     bg.abort();
     served
 }
 
-/// Small SSE chunks must leave at once: without TCP_NODELAY a chunk written
-/// while the response head is still unacknowledged waits for the client's
-/// (delayed) ACK. The upstream side sets it in the HTTP client.
-fn with_nodelay(
-    listener: tokio::net::TcpListener,
-) -> impl axum::serve::Listener<Io = tokio::net::TcpStream, Addr = SocketAddr> {
-    listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!("TCP_NODELAY on an accepted socket: {e}");
+/// Warns when the process may run out of file descriptors before it reaches
+/// `max_connections` (accept then fails and connections wait in the backlog).
+fn warn_if_few_descriptors(max_connections: usize) {
+    #[cfg(unix)]
+    {
+        let mut lim = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit writes only into the struct it is given.
+        let ok = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0;
+        // Refusals in progress, the admin listener, upstream connections, files.
+        let need = (max_connections + 1024) as libc::rlim_t;
+        if ok && lim.rlim_cur != libc::RLIM_INFINITY && lim.rlim_cur < need {
+            tracing::warn!(
+                "the open-file limit ({}) is below max_connections ({max_connections}) + 1024: \
+                 raise it (ulimit -n) or lower max_connections",
+                lim.rlim_cur
+            );
         }
-    })
+    }
+    #[cfg(not(unix))]
+    let _ = max_connections;
 }
 
 /// Tokio wakes its driver (an eventfd write, and an extra `epoll_wait` return)
@@ -216,22 +305,22 @@ fn io_threads(cfg: &RouterConfig) -> usize {
 /// Serves with `threads` OS threads, each a single-threaded runtime accepting
 /// from the shared listening socket: a connection, its requests, their
 /// upstream calls (per-thread pools, [`AppState::client`]) and the relayed
-/// stream all stay on the thread that accepted it. Returns when `shutdown`
-/// resolves and every thread has let its open streams finish, or at once with
-/// the error of a thread that failed.
+/// stream all stay on the thread that accepted it; the connection cap is
+/// shared by all. Returns when `stop` turns true and every thread has let
+/// its open streams finish, or, with its error, when a thread fails (the
+/// others are stopped first).
 async fn serve_thread_per_core(
     listener: tokio::net::TcpListener,
-    state: Arc<AppState>,
+    shared: Arc<Shared>,
     threads: usize,
-    shutdown: impl Future<Output = ()> + Send + 'static,
+    stop: &watch::Sender<bool>,
 ) -> Result<(), ServerError> {
-    let shared = listener.into_std().map_err(ServerError::Io)?;
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let socket = listener.into_std().map_err(ServerError::Io)?;
     let mut running = tokio::task::JoinSet::new();
     for i in 0..threads {
-        let socket = shared.try_clone().map_err(ServerError::Io)?;
-        let st = Arc::clone(&state);
-        let mut stop = stop_rx.clone();
+        let socket = socket.try_clone().map_err(ServerError::Io)?;
+        let shared = Arc::clone(&shared);
+        let stop = stop.subscribe();
         let (done_tx, done_rx) = tokio::sync::oneshot::channel::<std::io::Result<()>>();
         std::thread::Builder::new()
             .name(format!("ppd-router-io-{i}"))
@@ -243,11 +332,8 @@ async fn serve_thread_per_core(
                         rt.block_on(async move {
                             tokio::spawn(keep_timer_wake_near());
                             let listener = tokio::net::TcpListener::from_std(socket)?;
-                            axum::serve(with_nodelay(listener), app(st))
-                                .with_graceful_shutdown(async move {
-                                    let _ = stop.wait_for(|stopped| *stopped).await;
-                                })
-                                .await
+                            listener::serve(listener, shared, stop).await;
+                            Ok(())
                         })
                     });
                 let _ = done_tx.send(served);
@@ -255,19 +341,22 @@ async fn serve_thread_per_core(
             .map_err(ServerError::Io)?;
         running.spawn(done_rx);
     }
-    drop(shared);
+    drop(socket);
     let mut first_error = None;
+    let mut stopped = stop.subscribe();
     tokio::select! {
-        () = shutdown => {}
+        biased;
+        _ = stopped.wait_for(|s| *s) => {}
         Some(ended) = running.join_next() => {
             // A thread that stops before shutdown has failed: stop the others too.
             first_error = Some(match io_thread_error(ended) {
+                Ok(()) if *stop.borrow() => Ok(()),
                 Ok(()) => Err(ServerError::Config("a router I/O thread stopped on its own".into())),
                 failed => failed,
             });
         }
     }
-    let _ = stop_tx.send(true);
+    let _ = stop.send(true);
     while let Some(ended) = running.join_next().await {
         let e = io_thread_error(ended);
         if first_error.is_none() {
@@ -294,12 +383,39 @@ fn io_thread_error(
     }
 }
 
+/// Listens on `host:port` with an accept backlog of [`ACCEPT_BACKLOG`].
 pub async fn bind(host: &str, port: u16) -> Result<tokio::net::TcpListener, ServerError> {
-    let addr = format!("{host}:{port}");
-    tokio::net::TcpListener::bind(&addr)
-        .await
-        .map_err(|e| ServerError::Config(format!("cannot listen on {addr}: {e}")))
+    let addr = if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}") // an IPv6 address
+    } else {
+        format!("{host}:{port}")
+    };
+    let cannot = |e: std::io::Error| ServerError::Config(format!("cannot listen on {addr}: {e}"));
+    let mut last = None;
+    for a in tokio::net::lookup_host(&addr).await.map_err(cannot)? {
+        let socket = if a.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()
+        } else {
+            tokio::net::TcpSocket::new_v6()
+        };
+        let listened = socket.and_then(|s| {
+            s.set_reuseaddr(true)?;
+            s.bind(a)?;
+            s.listen(ACCEPT_BACKLOG)
+        });
+        match listened {
+            Ok(l) => return Ok(l),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(cannot(last.unwrap_or_else(|| {
+        std::io::Error::new(std::io::ErrorKind::NotFound, "no address")
+    })))
 }
+
+/// Connections the kernel completes before the router accepts them (the
+/// system's `somaxconn` may lower it); a burst beyond it waits for SYN retries.
+const ACCEPT_BACKLOG: u32 = 1024;
 
 /// The router's main runtime (`worker_threads` workers, or one per core): it
 /// runs health checks, discovery and embedded nodes, and under `work-stealing`
@@ -393,6 +509,10 @@ pub fn serve_blocking(settings: Settings) -> Result<(), ServerError> {
         let listener = bind(&cfg.host, cfg.port).await?;
         let addr = listener.local_addr().map_err(ServerError::Io)?;
         eprintln!("ppd-router listening on http://{addr}");
+        if let Some(port) = cfg.admin_port {
+            let host = cfg.admin_host.as_deref().unwrap_or(&cfg.host);
+            eprintln!("ppd-router admin API and metrics on http://{host}:{port}");
+        }
         run(settings, listener, shutdown_signal(), None).await
     })
 }
