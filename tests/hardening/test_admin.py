@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 
 import httpx
 import pytest
@@ -109,3 +110,17 @@ def test_admin_listener_settings_are_checked(serve):
             Router(json.dumps({**base, **extra}))
     # The same port on another address is fine.
     Router(json.dumps({**base, "admin_port": 8123, "admin_host": "127.0.0.2"}))
+
+
+def test_an_admin_port_in_use_fails_the_start_by_name():
+    from ppd_router.errors import RunError
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        r = Router(json.dumps({"replica": [DEAD_NODE], "port": free_port(), "admin_port": taken.getsockname()[1]}))
+        with pytest.raises(RunError, match="admin_port"):
+            r.start()
+    finally:
+        taken.close()

@@ -50,6 +50,24 @@ def test_a_malformed_request_head_gets_a_400_json(serve, raw):
     assert closed_within(s, 10)
 
 
+def test_a_malformed_head_pipelined_behind_a_good_one_gets_a_400_json(serve):
+    r = serve()
+    s = connect(r.port)
+    s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: r\r\n\r\nGET /v1/models HTTP/1.1\r\nHost: r\r\nno colon here\r\n\r\n")
+    first = read_answer(s)
+    assert first.status == 200 and first.json()["object"] == "list"
+    rest = first.extra
+    while b"\r\n\r\n" not in rest:
+        chunk = s.recv(65536)
+        assert chunk, f"closed before the second answer; got {rest!r}"
+        rest += chunk
+    head, body = rest.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower(), rest
+    while not body.endswith(b"}}"):
+        body += s.recv(65536)
+    assert json.loads(body)["error"]["code"] == "bad_request"
+
+
 def test_a_method_a_known_path_does_not_serve_gets_a_405_json(serve):
     r = serve(admin_token="secret")
     for method, path in [("GET", "/v1/chat/completions"), ("DELETE", "/admin/weights"), ("POST", "/v1/models")]:

@@ -451,6 +451,11 @@ impl Drop for Tracked {
             c.mark_now();
             c.phase.store(WAITING, Relaxed);
             c.changed.store(true, Relaxed);
+            // A head already buffered behind this one (pipelining) is not
+            // routed yet: an empty 4xx written for it would be hyper's. (This
+            // answer's own head may still be unwritten; it is the router's,
+            // and has a content type, so it is never taken for hyper's.)
+            c.routed.store(false, Relaxed);
         }
     }
 }

@@ -204,7 +204,11 @@ pub async fn run(
     let state = AppState::build(&settings)?;
     let cfg = &state.cfg;
     let admin_listener = match cfg.admin_port {
-        Some(port) => Some(bind(cfg.admin_host.as_deref().unwrap_or(&cfg.host), port).await?),
+        Some(port) => Some(
+            bind(cfg.admin_host.as_deref().unwrap_or(&cfg.host), port)
+                .await
+                .map_err(|e| ServerError::Config(format!("admin listener (admin_port): {e}")))?,
+        ),
         None => None,
     };
     check_health(&state).await;
