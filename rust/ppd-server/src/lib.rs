@@ -23,6 +23,7 @@ pub mod config;
 mod connection;
 mod connector;
 pub mod error;
+mod head;
 mod identify;
 mod ingress;
 mod intake;
