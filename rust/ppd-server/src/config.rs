@@ -667,9 +667,20 @@ mod tests {
         assert_eq!(RouterConfig::default().max_body_bytes, 16 * 1024 * 1024);
     }
 
+    type Mutation = Box<dyn Fn(&mut RouterConfig)>;
+
+    /// Each mutation of the defaults is refused, naming its field.
+    fn each_names_its_field(cases: Vec<(&str, Mutation)>) {
+        for (field, mutate) in cases {
+            let mut c = RouterConfig::default();
+            mutate(&mut c);
+            let e = c.validate().unwrap_err();
+            assert_eq!(e.field, field, "{e}");
+        }
+    }
+
     #[test]
     fn every_bad_value_names_its_field() {
-        type Mutation = Box<dyn Fn(&mut RouterConfig)>;
         let cases: Vec<(&str, Mutation)> = vec![
             ("w_ttft", Box::new(|c| c.w_ttft = f64::NAN)),
             ("w_tpot", Box::new(|c| c.w_tpot = -1.0)),
@@ -700,19 +711,13 @@ mod tests {
             ),
             ("emulated", Box::new(|c| c.emulated = Some("2X".into()))),
         ];
-        for (field, mutate) in cases {
-            let mut c = RouterConfig::default();
-            mutate(&mut c);
-            let e = c.validate().unwrap_err();
-            assert_eq!(e.field, field, "{e}");
-        }
+        each_names_its_field(cases);
     }
 
     // ---- Client connections and the admin listener ----
 
     #[test]
     fn connection_and_admin_settings_name_their_field() {
-        type Mutation = Box<dyn Fn(&mut RouterConfig)>;
         let cases: Vec<(&str, Mutation)> = vec![
             (
                 "header_read_timeout",
@@ -760,12 +765,7 @@ mod tests {
                 Box::new(|c| c.admin_token = Some("two words".into())),
             ),
         ];
-        for (field, mutate) in cases {
-            let mut c = RouterConfig::default();
-            mutate(&mut c);
-            let e = c.validate().unwrap_err();
-            assert_eq!(e.field, field, "{e}");
-        }
+        each_names_its_field(cases);
     }
 
     #[test]
