@@ -469,7 +469,7 @@ impl SessionTable {
 #[pymethods]
 impl SessionTable {
     #[new]
-    #[pyo3(signature = (ttl_s = 3600.0, capacity = 1_000_000, shards = 64, max_bytes = 256 * 1024 * 1024))]
+    #[pyo3(signature = (ttl_s = 3600.0, capacity = 1_000_000, shards = 64, max_bytes = 268_435_456))]
     fn new(ttl_s: f64, capacity: usize, shards: usize, max_bytes: usize) -> PyResult<Self> {
         if !ttl_s.is_finite() || ttl_s <= 0.0 {
             return Err(errors::config(format!(
