@@ -159,6 +159,8 @@ class DecisionEngine:
         d_local_capable: bool = True,
         replica_share: float = 0.0,
         session_on_replica: bool = False,
+        kv_lost: bool = False,
+        cached_tokens: Optional[int] = None,
     ) -> Route:
         """Route one request (Algorithm 1, Phase 2, plus session and node vetoes)."""
     def set_weights(self, w_ttft: float, w_tpot: float) -> None: ...

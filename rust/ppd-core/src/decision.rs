@@ -2,8 +2,8 @@
 //!
 //! Every outcome is decided here, in [`DecisionEngine::decide`], in one fixed
 //! order: replica-only policy, replica sessions, Turn 1 (hybrid share or pd),
-//! no session, D unavailable, the policy, then the decode-only and overload
-//! vetoes on local. Table, weights and policy swap atomically while
+//! no session, D unavailable, the policy, then the decode-only, residency
+//! and overload vetoes on local. Table, weights and policy swap atomically while
 //! requests are being decided.
 
 use arc_swap::ArcSwap;
@@ -12,7 +12,7 @@ use std::sync::Arc;
 use crate::error::Error;
 use crate::policy::fraction::unit_interval;
 use crate::policy::{ppd::score, Policy, PolicyKind};
-use crate::route::{DecisionInput, Path, Reason, Route, Scored, Weights};
+use crate::route::{DecisionInput, Path, Reason, Residency, Route, Scored, Weights};
 use crate::table::Table;
 
 pub struct DecisionEngine {
@@ -103,6 +103,12 @@ impl DecisionEngine {
         if path == Path::Local && !input.d_local_capable {
             return early(Reason::DecodeOnly);
         }
+        if path == Path::Local && input.residency == Residency::Lost {
+            return early(Reason::KvLost);
+        }
+        if path == Path::Local && input.residency.too_little_of(input.n_ctx) {
+            return early(Reason::NotResident);
+        }
         if path == Path::Local && input.d_overloaded {
             return early(Reason::DOverloaded);
         }
@@ -129,6 +135,7 @@ fn score_in(table: &Table, input: &DecisionInput, w: Weights) -> Scored {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::route::MIN_RESIDENT_CHECK_TOKENS;
     use crate::table::tests::{cell, doc_with, m};
     use proptest::prelude::*;
 
@@ -213,6 +220,39 @@ mod tests {
             .decide(&base)
             .unwrap();
         assert_eq!((r.path, r.reason), (Path::Pd, Reason::Forced));
+    }
+
+    #[test]
+    fn a_d_that_lost_or_never_held_the_kv_vetoes_local() {
+        let e = engine(PolicyKind::Local, Weights::default());
+        let base = DecisionInput::turn(2, 64, 64, 300, 4.0);
+        let with = |residency| e.decide(&DecisionInput { residency, ..base }).unwrap();
+        let r = with(Residency::Lost);
+        assert_eq!((r.path, r.reason), (Path::Pd, Reason::KvLost));
+        let r = with(Residency::Cached(149));
+        assert_eq!((r.path, r.reason), (Path::Pd, Reason::NotResident));
+        assert_eq!(with(Residency::Cached(150)).path, Path::Local);
+        assert_eq!(with(Residency::Unknown).path, Path::Local);
+        // A pd decision stays pd for its own reason.
+        let r = engine(PolicyKind::Pd, Weights::default())
+            .decide(&DecisionInput {
+                residency: Residency::Lost,
+                ..base
+            })
+            .unwrap();
+        assert_eq!(r.reason, Reason::Forced);
+    }
+
+    #[test]
+    fn a_context_of_a_block_or_two_is_never_judged_not_resident() {
+        let e = engine(PolicyKind::Local, Weights::default());
+        let r = e
+            .decide(&DecisionInput {
+                residency: Residency::Cached(0),
+                ..DecisionInput::turn(2, 8, 8, MIN_RESIDENT_CHECK_TOKENS - 1, 4.0)
+            })
+            .unwrap();
+        assert_eq!(r.path, Path::Local);
     }
 
     #[test]

@@ -26,5 +26,5 @@ pub use decision::DecisionEngine;
 pub use error::Error;
 pub use layout::Role;
 pub use policy::PolicyKind;
-pub use route::{DecisionInput, Path, Reason, Route, Scored, Weights};
+pub use route::{DecisionInput, Path, Reason, Residency, Route, Scored, Weights};
 pub use table::{Table, TableError};

@@ -91,10 +91,16 @@ pub enum Reason {
     /// A node failed before the answer's first byte reached the client; this is
     /// the one retry, on another node of the same path.
     NodeFailed,
+    /// The session's D restarted or cleared its cache since the conversation's
+    /// last turn: the KV that local would reuse is gone.
+    KvLost,
+    /// The session's D holds less than half of the conversation's context
+    /// (evicted, or never cached): local would recompute most of it anyway.
+    NotResident,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 15] = [
+    pub const ALL: [Reason; 17] = [
         Reason::Turn1,
         Reason::NoSession,
         Reason::DUnavailable,
@@ -110,6 +116,8 @@ impl Reason {
         Reason::ReplicaSession,
         Reason::PUnavailable,
         Reason::NodeFailed,
+        Reason::KvLost,
+        Reason::NotResident,
     ];
     pub fn as_str(self) -> &'static str {
         match self {
@@ -128,6 +136,39 @@ impl Reason {
             Reason::ReplicaSession => "replica_session",
             Reason::PUnavailable => "p_unavailable",
             Reason::NodeFailed => "node_failed",
+            Reason::KvLost => "kv_lost",
+            Reason::NotResident => "not_resident",
+        }
+    }
+}
+
+/// What the session's D holds of the conversation, as far as the router can tell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Residency {
+    /// Nothing live is known: the session alone says D holds it.
+    #[default]
+    Unknown,
+    /// D restarted or cleared its cache after the conversation's last turn.
+    Lost,
+    /// D holds this many leading tokens of the request's prompt (exactly, from
+    /// its KV events, or estimated).
+    Cached(u32),
+}
+
+/// Contexts shorter than this are never judged not resident: they span a
+/// block or two, which prefix caching may legitimately not hold (only full
+/// blocks are cached), and local or pd differ little for them.
+pub const MIN_RESIDENT_CHECK_TOKENS: u32 = 64;
+
+impl Residency {
+    /// Whether D holds too little of a context of `n_ctx` tokens for local
+    /// to be an append-prefill: less than half of it.
+    pub fn too_little_of(self, n_ctx: u32) -> bool {
+        match self {
+            Residency::Cached(t) => {
+                n_ctx >= MIN_RESIDENT_CHECK_TOKENS && u64::from(t) * 2 < u64::from(n_ctx)
+            }
+            Residency::Unknown | Residency::Lost => false,
         }
     }
 }
@@ -149,6 +190,8 @@ pub struct DecisionInput {
     pub d_available: bool,
     /// That D is over its load limit (a veto on local).
     pub d_overloaded: bool,
+    /// What that D still holds of the conversation (a veto on local).
+    pub residency: Residency,
     /// That D may append-prefill locally (a pD, not a decode-only D).
     pub d_local_capable: bool,
     /// Hybrid R + P/D: the share of new conversations that replicas take.
@@ -170,6 +213,7 @@ impl DecisionInput {
             has_session: true,
             d_available: true,
             d_overloaded: false,
+            residency: Residency::Unknown,
             d_local_capable: true,
             replica_share: 0.0,
             session_on_replica: false,

@@ -23,7 +23,7 @@ impl NodeId {
     }
 }
 
-/// What the router remembers of one conversation (40 bytes).
+/// What the router remembers of one conversation (48 bytes).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Session {
     /// Turns completed so far.
@@ -32,6 +32,9 @@ pub struct Session {
     pub p: Option<NodeId>,
     /// The D (or pD) whose prefix cache holds its KV.
     pub d: Option<NodeId>,
+    /// That D's cache epoch when it served the last turn: a later epoch means
+    /// the D restarted or cleared its cache since, and the KV is gone.
+    pub d_epoch: u32,
     /// Prompt + completion tokens of the last turn (0 = unknown).
     context_tokens: u32,
     mean_out: f32,
@@ -46,6 +49,7 @@ impl Session {
             turns: 0,
             p: None,
             d: None,
+            d_epoch: 0,
             context_tokens: 0,
             mean_out: 0.0,
             out_samples: 0,
@@ -85,6 +89,8 @@ pub struct TurnRecord {
     pub p: Option<NodeId>,
     /// The node that decoded it and now holds its KV.
     pub d: NodeId,
+    /// That node's cache epoch while it served the turn.
+    pub d_epoch: u32,
     /// `(prompt_tokens, completion_tokens)` as upstream reported them.
     pub usage: Option<(u32, u32)>,
 }
@@ -326,6 +332,7 @@ impl SessionTable {
             before = s.d;
             s.turns = s.turns.max(rec.turn);
             s.d = Some(rec.d);
+            s.d_epoch = rec.d_epoch;
             if rec.p.is_some() {
                 s.p = rec.p;
             }
@@ -564,6 +571,7 @@ mod tests {
             turn: 1,
             p: Some(node(7)),
             d: node(1),
+            d_epoch: 0,
             usage: Some((100, 20)),
         };
         let (s, before) = t.record_turn("c", 0, &first);
@@ -577,6 +585,7 @@ mod tests {
             turn: 2,
             p: None,
             d: node(1),
+            d_epoch: 0,
             usage: None,
         };
         let (s, before) = t.record_turn("c", 5, &local);
@@ -593,6 +602,7 @@ mod tests {
                 turn: 1,
                 p: None,
                 d: node(2),
+                d_epoch: 0,
                 usage: Some((1, 1)),
             },
         );
@@ -612,6 +622,7 @@ mod tests {
                 turn: 1,
                 p: None,
                 d: node(1),
+                d_epoch: 0,
                 usage: None,
             },
         );

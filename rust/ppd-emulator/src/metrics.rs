@@ -67,6 +67,9 @@ pub struct Metrics {
     pub success_abort: u64,
     pub kv_pull_failures: u64,
     pub injected_errors: u64,
+    /// When this node started (Unix seconds): `process_start_time_seconds`,
+    /// which a router reads to tell a restarted node (and its empty cache).
+    pub started_unix_s: f64,
 }
 
 impl Default for Metrics {
@@ -80,6 +83,9 @@ impl Default for Metrics {
             success_abort: 0,
             kv_pull_failures: 0,
             injected_errors: 0,
+            started_unix_s: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64()),
         }
     }
 }
@@ -102,6 +108,11 @@ pub fn render(model: &str, role: &str, m: &Metrics, s: &Snapshot, lag: &Lag) -> 
     let labels = format!("engine=\"0\",model_name=\"{}\"", model.replace('"', "'"));
     let l = labels.as_str();
     let mut o = String::with_capacity(8192);
+    let _ = writeln!(
+        o,
+        "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds {:.2}",
+        m.started_unix_s
+    );
     gauge(
         &mut o,
         "vllm:num_requests_running",

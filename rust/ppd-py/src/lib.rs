@@ -14,7 +14,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use ppd_core::identity::{self, CtxSource, OutSource};
 use ppd_core::session::{NodeId, Session, SessionConfig, TurnRecord};
 use ppd_core::tokens::{TokenCounter as CoreCounter, WordRule};
-use ppd_core::{DecisionInput, Path, PolicyKind, Weights};
+use ppd_core::{DecisionInput, Path, PolicyKind, Residency, Weights};
 
 use errors::{err, invalid, Kind};
 
@@ -337,8 +337,9 @@ impl DecisionEngine {
     }
 
     /// Routes one request. Turn 1 takes pd; Turn 2+ follows the policy unless
-    /// the session is unknown, its D unavailable, or (for local) overloaded.
-    #[pyo3(signature = (turn, n_in, n_out, n_ctx, qps, *, conversation_id = None, has_session = true, d_available = true, d_overloaded = false, d_local_capable = true, replica_share = 0.0, session_on_replica = false))]
+    /// the session is unknown, its D unavailable, or (for local) overloaded,
+    /// its KV lost (`kv_lost`) or mostly not cached (`cached_tokens`).
+    #[pyo3(signature = (turn, n_in, n_out, n_ctx, qps, *, conversation_id = None, has_session = true, d_available = true, d_overloaded = false, d_local_capable = true, replica_share = 0.0, session_on_replica = false, kv_lost = false, cached_tokens = None))]
     #[allow(clippy::too_many_arguments)]
     fn decide(
         &self,
@@ -355,7 +356,14 @@ impl DecisionEngine {
         d_local_capable: bool,
         replica_share: f64,
         session_on_replica: bool,
+        kv_lost: bool,
+        cached_tokens: Option<i64>,
     ) -> PyResult<Route> {
+        let residency = match (kv_lost, cached_tokens) {
+            (true, _) => Residency::Lost,
+            (false, Some(t)) => Residency::Cached(count_arg("cached_tokens", t)?),
+            (false, None) => Residency::Unknown,
+        };
         let input = DecisionInput {
             turn: count_arg("turn", turn)?,
             n_in: count_arg("n_in", n_in)?,
@@ -366,6 +374,7 @@ impl DecisionEngine {
             has_session,
             d_available,
             d_overloaded,
+            residency,
             d_local_capable,
             replica_share,
             session_on_replica,
@@ -543,6 +552,7 @@ impl SessionTable {
             turn,
             p: p_id,
             d: d_id,
+            d_epoch: 0,
             usage,
         };
         let (s, _) = self.inner.record_turn(conversation_id, t, &record);

@@ -99,6 +99,9 @@ pub fn node_list(st: &AppState) -> serde_json::Value {
                 "sessions": st.sessions.count_on(n.id), "served": n.served.load(Ordering::Relaxed),
                 "failed": n.failed.load(Ordering::Relaxed),
                 "last_heartbeat_age_s": now.saturating_sub(n.last_heartbeat_ms()) as f64 / 1000.0,
+                "load": n.load_snapshot(now, crate::load::stale_after_ms(st.cfg.load_interval)),
+                "cache_epoch": n.load.epoch(), "restarts": n.load.restarts(),
+                "scrape_failures": n.load.scrape_failures(),
             })
         })
         .collect();

@@ -82,6 +82,7 @@ impl Ticket {
             turn: self.turn,
             p: self.p.as_ref().map(|p| p.id),
             d: self.d.id,
+            d_epoch: self.d.load.epoch(),
             usage: usage.map(|u| (u.prompt_tokens, u.completion_tokens)),
         };
         let (_, before) = st.sessions.record_turn(&self.conv, st.now_ms(), &record);

@@ -80,6 +80,15 @@ pub struct RouterConfig {
     pub breaker_open: f64,
     /// In-flight requests at which a pD is overloaded and local is vetoed (0: off).
     pub overload_inflight: u32,
+    /// Requests the pD itself reports waiting (`vllm:num_requests_waiting`) at
+    /// which local is vetoed (0: off).
+    pub overload_waiting: u32,
+    /// KV-cache usage the pD reports (`vllm:kv_cache_usage_perc`, 0..1) at
+    /// which local is vetoed: an append-prefill there would preempt (0: off).
+    pub overload_kv_usage: f64,
+    /// Seconds between scrapes of every node's `/metrics` for its live load
+    /// and restarts (0: no scraping).
+    pub load_interval: f64,
     /// Window of the QPS estimator, seconds.
     pub qps_window: f64,
     /// Hybrid R + P/D: share of new conversations for replicas (default: R nodes / (R + D nodes)).
@@ -200,6 +209,9 @@ impl Default for RouterConfig {
             breaker_failures: 3,
             breaker_open: 10.0,
             overload_inflight: 0,
+            overload_waiting: 0,
+            overload_kv_usage: 0.95,
+            load_interval: 1.0,
             qps_window: 10.0,
             replica_share: None,
             kv_bytes_per_token: 131_072,
@@ -446,6 +458,23 @@ impl RouterConfig {
             ("queue_timeout", self.queue_timeout),
         ] {
             positive(field, v)?;
+        }
+        for (field, v) in [
+            ("load_interval", self.load_interval),
+            ("overload_kv_usage", self.overload_kv_usage),
+        ] {
+            if !v.is_finite() || v < 0.0 {
+                return Err(bad(field, format!("must be a finite number ≥ 0, got {v}")));
+            }
+        }
+        if self.overload_kv_usage > 1.0 {
+            return Err(bad(
+                "overload_kv_usage",
+                format!(
+                    "is a share of the KV cache, 0..1 (0: off), got {}",
+                    self.overload_kv_usage
+                ),
+            ));
         }
         if self.session_capacity == 0 {
             return Err(bad("session_capacity", "must be at least 1"));

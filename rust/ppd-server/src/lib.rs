@@ -28,6 +28,7 @@ mod identify;
 mod ingress;
 mod intake;
 mod listener;
+pub mod load;
 pub mod metrics;
 mod orchestrate;
 pub mod registry;

@@ -42,6 +42,21 @@ pub struct ResultLabel {
     pub result: &'static str,
 }
 
+/// A node by its URL (an operator's own address, never a client's input).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NodeLabel {
+    pub node: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NodeFigureLabels {
+    pub node: String,
+    /// `inflight`, `prompt_tokens`, `decode_tokens`, `kv_bytes` (the router's
+    /// own work on the node), `running`, `waiting`, `kv_usage` (the node's
+    /// `/metrics`, absent while stale).
+    pub figure: &'static str,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ErrorLabels {
     pub role: &'static str,
@@ -64,6 +79,9 @@ pub struct Metrics {
     pub queue_waiting: Gauge,
     pub sessions: Gauge,
     pub nodes: Family<NodeStateLabels, Gauge>,
+    pub node_load: Family<NodeFigureLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    pub node_restarts: Family<NodeLabel, Counter>,
+    pub node_scrape_failures: Family<NodeLabel, Counter>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -154,6 +172,25 @@ impl Metrics {
         registry.register("sessions", "Live sessions", sessions.clone());
         let nodes = Family::<NodeStateLabels, Gauge>::default();
         registry.register("nodes", "Nodes by role and state", nodes.clone());
+        let node_load =
+            Family::<NodeFigureLabels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+        registry.register(
+            "node_load",
+            "Each node's live load: the router's work on it and the node's own /metrics figures",
+            node_load.clone(),
+        );
+        let node_restarts = Family::<NodeLabel, Counter>::default();
+        registry.register(
+            "node_restarts",
+            "Node restarts seen in its /metrics (a new start time or counters reset); its cached KV is gone",
+            node_restarts.clone(),
+        );
+        let node_scrape_failures = Family::<NodeLabel, Counter>::default();
+        registry.register(
+            "node_scrape_failures",
+            "Scrapes of a node's /metrics that failed or had no vLLM load figures",
+            node_scrape_failures.clone(),
+        );
         Metrics {
             registry,
             requests,
@@ -170,6 +207,9 @@ impl Metrics {
             queue_waiting,
             sessions,
             nodes,
+            node_load,
+            node_restarts,
+            node_scrape_failures,
         }
     }
 

@@ -142,7 +142,9 @@ impl Run<'_> {
                 Ok(rid) => rid,
                 Err(why) => return Ok(self.fail(unavailable(why))),
             };
-            let why = match upstream::prefill(st, self.call.endpoint, &p, body.clone(), &rid).await
+            let work = self.plan.prefill_work();
+            let why = match upstream::prefill(st, self.call.endpoint, &p, body.clone(), &rid, work)
+                .await
             {
                 Ok(answer) => match connector.handoff(&answer) {
                     Ok(handoff) => {
@@ -206,7 +208,11 @@ impl Run<'_> {
         let inflight = match admitted {
             Some(a) => InflightGuard::admitted(Arc::clone(&d), a),
             None => InflightGuard::new(Arc::clone(&d)),
-        };
+        }
+        .with_work(
+            self.plan
+                .decoder_work(st.cfg.kv_bytes_per_token, st.connector.moves_kv()),
+        );
         let who = node_name(d.role);
         let stream = self.call.view.is_stream();
         // A stream's head comes at once and its first token soon after: both

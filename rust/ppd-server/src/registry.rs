@@ -9,6 +9,7 @@ use std::sync::Arc;
 use ppd_core::session::NodeId;
 
 use crate::admission::{Admitted, NodeSlots};
+use crate::load::{LoadSnapshot, NodeLoad, Work, WorkGuard};
 use ppd_core::Role;
 
 /// Where a node came from: static ones never expire, registered ones do without heartbeats.
@@ -36,6 +37,9 @@ pub struct Node {
     pub failed: AtomicU64,
     /// Admission's room on this node (in-flight requests and prompt tokens).
     pub slots: NodeSlots,
+    /// Live load (the router's work on it and the node's own figures) and
+    /// the epoch of its cache.
+    pub load: Arc<NodeLoad>,
     /// `{url}/v1/chat/completions` and `{url}/v1/completions`, parsed once:
     /// parsing a URL per request cost more than building the rest of it.
     /// `None` when the URL does not parse (the request then reports why).
@@ -87,6 +91,10 @@ impl Node {
     pub fn inflight(&self) -> u32 {
         self.inflight.load(Ordering::Acquire)
     }
+    /// The node's load now; scraped figures older than `stale_after_ms` are left out.
+    pub fn load_snapshot(&self, now_ms: u64, stale_after_ms: u64) -> LoadSnapshot {
+        self.load.snapshot(self.inflight(), now_ms, stale_after_ms)
+    }
 }
 
 fn endpoint_urls(base: &str) -> Option<[reqwest::Url; 2]> {
@@ -100,6 +108,7 @@ fn endpoint_urls(base: &str) -> Option<[reqwest::Url; 2]> {
 pub struct InflightGuard {
     node: Arc<Node>,
     _admitted: Option<Admitted>,
+    _work: Option<WorkGuard>,
 }
 
 impl InflightGuard {
@@ -108,7 +117,13 @@ impl InflightGuard {
         InflightGuard {
             node,
             _admitted: None,
+            _work: None,
         }
+    }
+    /// Counts `work` in the node's load while the request lasts.
+    pub(crate) fn with_work(mut self, work: Work) -> Self {
+        self._work = Some(self.node.load.add(work));
+        self
     }
     pub(crate) fn admitted(node: Arc<Node>, admitted: Admitted) -> Self {
         let mut guard = InflightGuard::new(node);
@@ -198,6 +213,7 @@ impl Registry {
             failed: AtomicU64::new(0),
             endpoint_urls: endpoint_urls(url),
             slots: NodeSlots::new(self.limits.requests, self.limits.prompt_tokens),
+            load: Arc::default(),
             url_header: axum::http::HeaderValue::from_str(url).ok(),
         });
         let mut next = (*cur).clone();

@@ -11,9 +11,10 @@ use std::sync::Arc;
 
 use ppd_core::identity::hash_id;
 use ppd_core::session::NodeId;
-use ppd_core::{DecisionInput, Path, Reason, Role, Route};
+use ppd_core::{DecisionInput, Path, Reason, Residency, Role, Route};
 
 use crate::identify::Identified;
+use crate::load::Work;
 use crate::registry::Node;
 use crate::state::AppState;
 
@@ -36,6 +37,36 @@ pub(crate) enum Target {
     Direct(Arc<Node>),
     /// No node can serve the path: why.
     Unavailable(&'static str),
+}
+
+impl Plan {
+    /// What the plan puts on its decoding node, for the load figures: the
+    /// prompt tokens it computes there, the tokens it decodes, the KV a P
+    /// hands it.
+    pub fn decoder_work(&self, kv_bytes_per_token: u64, moves_kv: bool) -> Work {
+        let i = &self.input;
+        let whole = i.n_in.saturating_add(i.n_ctx);
+        let (prompt_tokens, kv_bytes) = match self.target {
+            Target::Local(_) => (i.n_in, 0),
+            Target::Replica(_) if i.session_on_replica => (i.n_in, 0),
+            Target::Pd(_) if moves_kv => (0, u64::from(whole) * kv_bytes_per_token),
+            Target::Pd(_) => (0, 0),
+            Target::Replica(_) | Target::Direct(_) | Target::Unavailable(_) => (whole, 0),
+        };
+        Work {
+            prompt_tokens,
+            decode_tokens: i.n_out,
+            kv_bytes,
+        }
+    }
+
+    /// What the plan's prefill puts on its P: the whole prompt.
+    pub fn prefill_work(&self) -> Work {
+        Work {
+            prompt_tokens: self.input.n_in.saturating_add(self.input.n_ctx),
+            ..Work::default()
+        }
+    }
 }
 
 impl Target {
@@ -69,9 +100,8 @@ pub(crate) fn plan(
         conv_hash: hash_id(&id.conv),
         has_session: id.session.is_some_and(|s| s.d.is_some()),
         d_available: holder.as_ref().is_some_and(|n| n.available(now)),
-        d_overloaded: holder.as_ref().is_some_and(|n| {
-            st.cfg.overload_inflight > 0 && n.inflight() >= st.cfg.overload_inflight
-        }),
+        d_overloaded: holder.as_ref().is_some_and(|n| overloaded(st, n, now)),
+        residency: residency(id, holder.as_deref()),
         d_local_capable: holder.as_ref().is_some_and(|n| n.role.local_capable()),
         replica_share: st.replica_share(),
         session_on_replica: holder.as_ref().is_some_and(|n| n.role == Role::R),
@@ -88,6 +118,28 @@ pub(crate) fn plan(
     st.record_decision(route.path, route.reason, cell);
     tracing::debug!(conv = %id.conv, turn = f.turn, path = route.path.as_str(), reason = route.reason.as_str(), "route");
     Ok(plan)
+}
+
+/// Whether a pD is too busy for an append-prefill: the router's own requests
+/// on it, or what the node itself reports waiting or holding in KV.
+fn overloaded(st: &AppState, n: &Node, now_ms: u64) -> bool {
+    let cfg = &st.cfg;
+    let load = n.load_snapshot(now_ms, crate::load::stale_after_ms(cfg.load_interval));
+    let by_router = cfg.overload_inflight > 0 && load.inflight >= cfg.overload_inflight;
+    let by_node = load.scraped.is_some_and(|s| {
+        (cfg.overload_waiting > 0 && s.waiting >= f64::from(cfg.overload_waiting))
+            || (cfg.overload_kv_usage > 0.0 && s.kv_usage >= cfg.overload_kv_usage)
+    });
+    by_router || by_node
+}
+
+/// What the session's D still holds: lost when its cache epoch moved on
+/// since the conversation's last turn there (it restarted or was cleared).
+fn residency(id: &Identified, holder: Option<&Node>) -> Residency {
+    match (id.session, holder) {
+        (Some(s), Some(d)) if s.d == Some(d.id) && s.d_epoch != d.load.epoch() => Residency::Lost,
+        _ => Residency::Unknown,
+    }
 }
 
 /// Routes again after `failed` failed before the first byte reached the

@@ -1,4 +1,4 @@
-//! Assembles the HTTP service, starts the background planes (health checks, heartbeat expiry, session sweep) and runs until shutdown.
+//! Assembles the HTTP service, starts the background planes (health checks, load scrapes, heartbeat expiry, session sweep) and runs until shutdown.
 
 use axum::extract::State;
 use axum::http::{Method, StatusCode, Uri};
@@ -17,7 +17,8 @@ use crate::config::{RouterConfig, Runtime, Settings};
 use crate::error::{method_not_allowed, openai_error};
 use crate::ingress;
 use crate::listener::{self, Budget, Shared, ADMIN_MAX_CONNECTIONS};
-use crate::metrics::NodeStateLabels;
+use crate::load;
+use crate::metrics::{NodeFigureLabels, NodeLabel, NodeStateLabels};
 use crate::registry::NodeState;
 use crate::state::AppState;
 use crate::ServerError;
@@ -132,6 +133,34 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
                 .set(n as i64);
         }
     }
+    let stale = load::stale_after_ms(st.cfg.load_interval);
+    for n in st.registry.nodes().iter() {
+        let s = n.load_snapshot(now, stale);
+        let scraped = s.scraped.map(|x| [x.running, x.waiting, x.kv_usage]);
+        let figures = [
+            ("inflight", Some(f64::from(s.inflight))),
+            ("prompt_tokens", Some(s.prompt_tokens as f64)),
+            ("decode_tokens", Some(s.decode_tokens as f64)),
+            ("kv_bytes", Some(s.kv_bytes as f64)),
+            ("running", scraped.map(|x| x[0])),
+            ("waiting", scraped.map(|x| x[1])),
+            ("kv_usage", scraped.map(|x| x[2])),
+        ];
+        for (figure, v) in figures {
+            let labels = NodeFigureLabels {
+                node: n.url.clone(),
+                figure,
+            };
+            match v {
+                Some(v) => {
+                    st.metrics.node_load.get_or_create(&labels).set(v);
+                }
+                None => {
+                    st.metrics.node_load.remove(&labels);
+                }
+            }
+        }
+    }
     (
         [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
         st.metrics.encode(),
@@ -168,6 +197,61 @@ pub async fn check_health(st: &AppState) {
     }
     if !seen.is_empty() {
         st.models.store(Arc::new(seen.into_values().collect()));
+    }
+}
+
+/// One round of load scrapes: every node's `/metrics`, in parallel, each
+/// within the interval. A node seen restarting has its cache epoch bumped
+/// (its sessions' next turns do not count on the KV it lost).
+pub async fn scrape_load(st: &AppState) {
+    let timeout = Duration::from_secs_f64(st.cfg.load_interval.clamp(0.2, 2.0));
+    let nodes = st.registry.nodes();
+    let scrapes = nodes.iter().map(|n| async move {
+        let got = tokio::time::timeout(timeout, async {
+            let r = st
+                .client()
+                .get(format!("{}/metrics", n.url))
+                .send()
+                .await
+                .ok()?;
+            if !r.status().is_success() {
+                return None;
+            }
+            let text = r.text().await.ok()?;
+            load::parse_metrics(&text, st.now_ms())
+        })
+        .await;
+        let label = || NodeLabel {
+            node: n.url.clone(),
+        };
+        match got {
+            Ok(Some(s)) => {
+                if n.load.record_scrape(s) {
+                    tracing::warn!(node = %n.url, "node restarted: its cached KV is gone");
+                    st.metrics.node_restarts.get_or_create(&label()).inc();
+                }
+            }
+            _ => {
+                n.load.record_scrape_failure();
+                st.metrics
+                    .node_scrape_failures
+                    .get_or_create(&label())
+                    .inc();
+            }
+        }
+    });
+    futures_util::future::join_all(scrapes).await;
+}
+
+async fn scrape_loop(st: Arc<AppState>) {
+    if st.cfg.load_interval <= 0.0 {
+        return;
+    }
+    let mut tick = tokio::time::interval(Duration::from_secs_f64(st.cfg.load_interval));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        scrape_load(&st).await;
     }
 }
 
@@ -213,6 +297,7 @@ pub async fn run(
     };
     check_health(&state).await;
     let bg = tokio::spawn(background(Arc::clone(&state)));
+    let scraper = tokio::spawn(scrape_loop(Arc::clone(&state)));
     if let Some(tx) = ready {
         let _ = tx.send(Arc::clone(&state));
     }
@@ -257,6 +342,7 @@ pub async fn run(
         }
     };
     bg.abort();
+    scraper.abort();
     served
 }
 

@@ -16,6 +16,7 @@ use ppd_core::Role;
 use crate::body::answer_without_router_fields;
 use crate::bookkeeping::upstream_error;
 use crate::error::openai_error;
+use crate::load::Work;
 use crate::metrics::ResultLabel;
 use crate::registry::{InflightGuard, Node};
 use crate::state::AppState;
@@ -61,8 +62,9 @@ pub(crate) async fn prefill(
     p: &Arc<Node>,
     body: Bytes,
     request_id: &str,
+    work: Work,
 ) -> Result<Bytes, PrefillError> {
-    let _inflight = InflightGuard::new(Arc::clone(p));
+    let _inflight = InflightGuard::new(Arc::clone(p)).with_work(work);
     let send = endpoint
         .post(st.client(), p)
         .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))

@@ -1,0 +1,328 @@
+//! Live load of each node — the router's own in-flight accounting plus what the node's `/metrics` says — read by the route step as a snapshot, without a lock.
+//!
+//! The router knows exactly what it sent (requests, prompt tokens to compute,
+//! decode tokens expected, KV bytes handed over); only the node knows what it
+//! runs and queues for other clients and other routers, and how full its KV
+//! cache is. A background task scrapes every node's `/metrics` once per
+//! `load_interval` and swaps the parsed figures in; the route step reads them
+//! with one atomic load. The same scrape tells a restarted node: its
+//! `process_start_time_seconds` changes, or a counter goes backwards (the
+//! Prometheus rule for a reset), and its cache epoch is bumped so sessions on
+//! it stop counting on KV it no longer holds.
+
+use arc_swap::ArcSwapOption;
+use serde::Serialize;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// What a node's `/metrics` said at one scrape (vLLM V1 names; several
+/// engines of one server are summed, the KV usage is their maximum).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Scraped {
+    /// `vllm:num_requests_running`.
+    pub running: f64,
+    /// `vllm:num_requests_waiting` (includes requests waiting for remote KV).
+    pub waiting: f64,
+    /// `vllm:kv_cache_usage_perc`, 0..1.
+    pub kv_usage: f64,
+    /// `process_start_time_seconds`, when the node exposes it.
+    #[serde(skip)]
+    pub start_time: Option<f64>,
+    /// The sum of the node's monotonic counters that a restart resets
+    /// (prompt tokens, prefix-cache queries, finished requests).
+    #[serde(skip)]
+    pub counters: f64,
+    /// Router clock (ms) of the scrape.
+    pub at_ms: u64,
+}
+
+/// A scrape older than three scrape intervals is not a live figure any more.
+pub fn stale_after_ms(load_interval_s: f64) -> u64 {
+    (load_interval_s * 3000.0) as u64
+}
+
+/// Counters whose sum never goes down while the node process lives.
+const RESET_COUNTERS: [&str; 3] = [
+    "vllm:prompt_tokens",
+    "vllm:prefix_cache_queries",
+    "vllm:request_success",
+];
+
+/// Parses a Prometheus text exposition into the figures the router uses;
+/// `None` when it holds none of vLLM's load gauges (not a vLLM node).
+pub fn parse_metrics(text: &str, at_ms: u64) -> Option<Scraped> {
+    use openmetrics_parser::PrometheusValue;
+    let page = openmetrics_parser::prometheus::parse_prometheus(text).ok()?;
+    let mut running = None;
+    let mut waiting = None;
+    let mut kv_usage: Option<f64> = None;
+    let mut start_time = None;
+    let mut counters = 0.0;
+    for (family, metric) in &page.families {
+        let name = family.strip_suffix("_total").unwrap_or(family);
+        for sample in metric.iter_samples() {
+            let v = match &sample.value {
+                PrometheusValue::Gauge(n) | PrometheusValue::Unknown(n) => n.as_f64(),
+                PrometheusValue::Counter(c) => c.value.as_f64(),
+                PrometheusValue::Histogram(_) | PrometheusValue::Summary(_) => continue,
+            };
+            if !v.is_finite() {
+                continue;
+            }
+            match name {
+                "vllm:num_requests_running" => *running.get_or_insert(0.0) += v,
+                "vllm:num_requests_waiting" => *waiting.get_or_insert(0.0) += v,
+                "vllm:kv_cache_usage_perc" => kv_usage = Some(kv_usage.map_or(v, |k| k.max(v))),
+                "process_start_time_seconds" => start_time = Some(v),
+                n if RESET_COUNTERS.contains(&n) => counters += v,
+                _ => {}
+            }
+        }
+    }
+    if running.is_none() && waiting.is_none() && kv_usage.is_none() {
+        return None;
+    }
+    Some(Scraped {
+        running: running.unwrap_or(0.0),
+        waiting: waiting.unwrap_or(0.0),
+        kv_usage: kv_usage.unwrap_or(0.0),
+        start_time,
+        counters,
+        at_ms,
+    })
+}
+
+/// Whether `now` comes from a different process than `before`: a new start
+/// time, or counters that went backwards.
+pub fn restarted(before: &Scraped, now: &Scraped) -> bool {
+    match (before.start_time, now.start_time) {
+        (Some(a), Some(b)) if (a - b).abs() > 0.5 => true,
+        _ => now.counters + 0.5 < before.counters,
+    }
+}
+
+/// A node's load and cache epoch, written by requests and the scraper, read
+/// by the route step.
+#[derive(Debug, Default)]
+pub struct NodeLoad {
+    prompt_tokens: AtomicU64,
+    decode_tokens: AtomicU64,
+    kv_bytes: AtomicU64,
+    scraped: ArcSwapOption<Scraped>,
+    scrape_failures: AtomicU64,
+    /// Bumped each time the node's cache is known to have been emptied.
+    epoch: AtomicU32,
+    restarts: AtomicU64,
+}
+
+/// Work the router has put on a node and not yet seen finish.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Work {
+    /// Prompt tokens the node computes (the whole prompt on P or on a direct
+    /// D, only the new tokens on a local pD, none on a pd D).
+    pub prompt_tokens: u32,
+    /// Tokens the node is expected to decode.
+    pub decode_tokens: u32,
+    /// KV bytes handed to the node by a P.
+    pub kv_bytes: u64,
+}
+
+/// What the route step sees of a node's load.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct LoadSnapshot {
+    /// The router's requests in flight on the node.
+    pub inflight: u32,
+    pub prompt_tokens: u64,
+    pub decode_tokens: u64,
+    pub kv_bytes: u64,
+    /// The node's own figures, when a scrape within `stale_after_ms` had them.
+    pub scraped: Option<Scraped>,
+}
+
+impl NodeLoad {
+    /// Adds `w` to the node's load; the returned value takes it off on drop.
+    pub(crate) fn add(self: &Arc<Self>, w: Work) -> WorkGuard {
+        self.prompt_tokens
+            .fetch_add(u64::from(w.prompt_tokens), Ordering::Relaxed);
+        self.decode_tokens
+            .fetch_add(u64::from(w.decode_tokens), Ordering::Relaxed);
+        self.kv_bytes.fetch_add(w.kv_bytes, Ordering::Relaxed);
+        WorkGuard {
+            load: Arc::clone(self),
+            work: w,
+        }
+    }
+
+    pub fn snapshot(&self, inflight: u32, now_ms: u64, stale_after_ms: u64) -> LoadSnapshot {
+        let scraped = self
+            .scraped
+            .load()
+            .as_deref()
+            .copied()
+            .filter(|s| now_ms.saturating_sub(s.at_ms) <= stale_after_ms);
+        LoadSnapshot {
+            inflight,
+            prompt_tokens: self.prompt_tokens.load(Ordering::Relaxed),
+            decode_tokens: self.decode_tokens.load(Ordering::Relaxed),
+            kv_bytes: self.kv_bytes.load(Ordering::Relaxed),
+            scraped,
+        }
+    }
+
+    /// Takes a scrape in; returns whether it shows the node restarted since
+    /// the previous one (the cache epoch is then bumped).
+    pub fn record_scrape(&self, s: Scraped) -> bool {
+        let before = self.scraped.swap(Some(Arc::new(s)));
+        let restarted = before.is_some_and(|b| restarted(&b, &s));
+        if restarted {
+            self.cache_cleared();
+            self.restarts.fetch_add(1, Ordering::Relaxed);
+        }
+        restarted
+    }
+
+    pub fn record_scrape_failure(&self) {
+        self.scrape_failures.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The node's cache is empty (a restart, or its KV events said so).
+    pub fn cache_cleared(&self) {
+        self.epoch.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Changes each time the node's cache is known to have been emptied.
+    pub fn epoch(&self) -> u32 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
+    pub fn restarts(&self) -> u64 {
+        self.restarts.load(Ordering::Relaxed)
+    }
+
+    pub fn scrape_failures(&self) -> u64 {
+        self.scrape_failures.load(Ordering::Relaxed)
+    }
+}
+
+/// A request's share of a node's load, returned when the request ends.
+#[derive(Debug)]
+pub(crate) struct WorkGuard {
+    load: Arc<NodeLoad>,
+    work: Work,
+}
+
+impl Drop for WorkGuard {
+    fn drop(&mut self) {
+        let l = &self.load;
+        l.prompt_tokens
+            .fetch_sub(u64::from(self.work.prompt_tokens), Ordering::Relaxed);
+        l.decode_tokens
+            .fetch_sub(u64::from(self.work.decode_tokens), Ordering::Relaxed);
+        l.kv_bytes.fetch_sub(self.work.kv_bytes, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const VLLM: &str = r#"# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.5
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="m"} 1200.0
+# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.
+# TYPE process_start_time_seconds gauge
+process_start_time_seconds 1.76e9
+"#;
+
+    #[test]
+    fn engines_are_summed_and_the_fullest_cache_counts() {
+        let s = parse_metrics(VLLM, 7).unwrap();
+        assert_eq!((s.running, s.waiting, s.kv_usage), (5.0, 4.0, 0.5));
+        assert_eq!(s.start_time, Some(1.76e9));
+        assert_eq!(s.counters, 1200.0);
+        assert_eq!(s.at_ms, 7);
+    }
+
+    #[test]
+    fn a_page_without_vllm_gauges_is_not_a_load_figure() {
+        assert!(parse_metrics("# TYPE up gauge\nup 1\n", 0).is_none());
+        assert!(parse_metrics("", 0).is_none());
+        assert!(parse_metrics("\u{0}garbage {{{", 0).is_none());
+    }
+
+    #[test]
+    fn a_new_start_time_or_a_counter_going_back_is_a_restart() {
+        let a = parse_metrics(VLLM, 0).unwrap();
+        assert!(!restarted(&a, &a));
+        let later = Scraped {
+            counters: a.counters + 10.0,
+            ..a
+        };
+        assert!(!restarted(&a, &later));
+        let new_process = Scraped {
+            start_time: Some(1.77e9),
+            ..later
+        };
+        assert!(restarted(&a, &new_process));
+        let reset = Scraped {
+            start_time: None,
+            counters: 3.0,
+            ..a
+        };
+        assert!(restarted(&a, &reset));
+    }
+
+    #[test]
+    fn a_restart_bumps_the_cache_epoch_once() {
+        let load = NodeLoad::default();
+        let a = parse_metrics(VLLM, 0).unwrap();
+        assert!(!load.record_scrape(a));
+        assert!(!load.record_scrape(a));
+        assert_eq!(load.epoch(), 0);
+        assert!(load.record_scrape(Scraped {
+            start_time: Some(2e9),
+            ..a
+        }));
+        assert_eq!((load.epoch(), load.restarts()), (1, 1));
+    }
+
+    #[test]
+    fn work_is_counted_while_its_guard_lives() {
+        let load = Arc::new(NodeLoad::default());
+        let w = Work {
+            prompt_tokens: 100,
+            decode_tokens: 20,
+            kv_bytes: 4096,
+        };
+        let g1 = load.add(w);
+        let g2 = load.add(w);
+        let s = load.snapshot(2, 0, 1000);
+        assert_eq!(
+            (s.prompt_tokens, s.decode_tokens, s.kv_bytes),
+            (200, 40, 8192)
+        );
+        drop(g1);
+        drop(g2);
+        let s = load.snapshot(0, 0, 1000);
+        assert_eq!((s.prompt_tokens, s.decode_tokens, s.kv_bytes), (0, 0, 0));
+    }
+
+    #[test]
+    fn a_stale_scrape_is_not_shown() {
+        let load = NodeLoad::default();
+        load.record_scrape(parse_metrics(VLLM, 1000).unwrap());
+        assert!(load.snapshot(0, 2000, 1500).scraped.is_some());
+        assert!(load.snapshot(0, 2600, 1500).scraped.is_none());
+    }
+}
