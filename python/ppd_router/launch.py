@@ -313,25 +313,45 @@ class VllmCluster:
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for plan in self.plans:
-            log_path = self.log_dir / f"{plan.name}.log"
-            cmd = vllm_command(
-                plan,
-                model=self.model,
-                python=self.python,
-                device=self.device,
-                served_model_name=self.served_model_name,
-                extra_args=self.vllm_args,
-                kv_events=self.kv_events,
+            self.nodes.append(self._spawn(plan, mode="wb"))
+
+    def _spawn(self, plan: NodePlan, *, mode: str) -> RunningNode:
+        log_path = self.log_dir / f"{plan.name}.log"
+        cmd = vllm_command(
+            plan,
+            model=self.model,
+            python=self.python,
+            device=self.device,
+            served_model_name=self.served_model_name,
+            extra_args=self.vllm_args,
+            kv_events=self.kv_events,
+        )
+        env = vllm_env(plan, device=self.device, cpu_kvcache_gib=self.cpu_kvcache_gib)
+        with open(log_path, mode) as log:
+            log.write((" ".join(cmd) + "\n").encode())
+            log.flush()
+            # Own process group, so stopping the node reaches the engine processes vLLM forks.
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
             )
-            env = vllm_env(plan, device=self.device, cpu_kvcache_gib=self.cpu_kvcache_gib)
-            with open(log_path, "wb") as log:
-                log.write((" ".join(cmd) + "\n").encode())
-                log.flush()
-                # Own process group, so stopping the node reaches the engine processes vLLM forks.
-                proc = subprocess.Popen(
-                    cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+        return RunningNode(plan, proc, log_path, time.monotonic())
+
+    def restart(self, name: str, timeout_s: float = 600.0) -> RunningNode:
+        """Stops node ``name`` and starts it again on the same address (an empty cache), until healthy."""
+        old = self.node(name)
+        old.stop()
+        new = self._spawn(old.plan, mode="ab")
+        self.nodes[self.nodes.index(old)] = new
+        deadline = time.monotonic() + timeout_s
+        while not is_healthy(new.url):
+            if not new.alive() or time.monotonic() > deadline:
+                raise LaunchError(
+                    f"vLLM node {name} ({new.url}) did not come back healthy; last lines of {new.log_path}:\n"
+                    f"{log_tail(new.log_path)}"
                 )
-            self.nodes.append(RunningNode(plan, proc, log_path, time.monotonic()))
+            time.sleep(0.5)
+        new.ready_s = time.monotonic() - new.started_at
+        return new
 
     def wait_healthy(self, timeout_s: float = 600.0, progress: bool = True) -> None:
         """Until every node answers /health; LaunchError with the log's tail when one dies or is late."""
