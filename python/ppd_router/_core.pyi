@@ -271,6 +271,7 @@ def run_emulator(
     fault_latency_ms: float = 0.0,
     fault_error_rate: float = 0.0,
     fault_hang: bool = False,
+    kv_events_endpoint: Optional[str] = None,
 ) -> None:
     """Runs one emulator node until SIGINT/SIGTERM (returns None) or a failure (raises)."""
 
@@ -279,6 +280,9 @@ class EmulatedCluster:
     """Emulator nodes running in this process on free 127.0.0.1 ports."""
     @property
     def urls(self) -> list[str]: ...
+    @property
+    def specs(self) -> list[str]:
+        """The nodes as router settings name them: `URL;kv_events=tcp://...` for decoding nodes."""
     @property
     def roles(self) -> list[str]:
         """Layout roles in order: "P", "D", "pD" or "R"."""

@@ -49,6 +49,7 @@ def _run(args: argparse.Namespace) -> int:
         fault_latency_ms=args.fault_latency_ms,
         fault_error_rate=args.fault_error_rate,
         fault_hang=args.fault_hang,
+        kv_events_endpoint=args.kv_events_endpoint,
     )
     return 0
 
@@ -84,4 +85,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fault-latency-ms", type=float, default=0.0, help="added latency per request")
     p.add_argument("--fault-error-rate", type=float, default=0.0, help="share of requests answered 500")
     p.add_argument("--fault-hang", action="store_true", help="accept requests and never answer")
+    p.add_argument(
+        "--kv-events-endpoint",
+        help="publish KV events (vLLM's BlockStored/BlockRemoved msgpack over ZMQ) by connecting to tcp://HOST:PORT",
+    )
     p.set_defaults(func=_run)

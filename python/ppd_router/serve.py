@@ -59,6 +59,11 @@ _SCALARS: dict[str, tuple[type, str]] = {
     "replica_share": (float, "hybrid R + P/D: share of new conversations for replicas"),
     "kv_bytes_per_token": (int, "KV bytes per token for the KV-moved metrics (default 131072)"),
     "tokenizer": (str, "tokenizer.json for exact token counts (default: word rule)"),
+    "prompt_renderer": (
+        str,
+        "auto (the tokenizer's chat template when --tokenizer is set), word-rule (emulated nodes) or none: "
+        "how requests become token ids matched against the nodes' KV events",
+    ),
     "worker_threads": (int, "router I/O threads (default 0 = one per core)"),
     "runtime": (str, "thread-per-core (default: a request stays on its thread) or work-stealing"),
     "log": (str, "log filter (default warn)"),

@@ -12,11 +12,12 @@ from typing import Any, Callable
 
 import httpx
 
-from tests.hardening.test_failover import set_faults
 from tests.helpers import answer_text, assistant, user
 from tests.router.conftest import Cluster, Node, cluster_factory, wait_healthy  # noqa: F401 - the fixture
 
 LIVE = {"policy": "local", "load_interval": 0.2}
+# Long enough (seconds of emulated decoding) that a running request is seen by several scrapes.
+LONG = 400
 
 
 def node_info(c: Cluster, url: str) -> dict[str, Any]:
@@ -82,8 +83,8 @@ def test_each_node_shows_its_own_figures_and_the_routers_work(cluster_factory) -
     assert idle["inflight"] == 0 and idle["decode_tokens"] == 0
     assert idle["scraped"]["running"] == 0 and 0 <= idle["scraped"]["kv_usage"] <= 1
 
-    set_faults(pd, latency_ms=150)  # decoding slows down: requests stay in flight
-    sent = threading.Thread(target=lambda: c.chat([user("a slow answer please")], max_tokens=20), daemon=True)
+    # A long answer stays in flight for seconds, across several scrapes.
+    sent = threading.Thread(target=lambda: c.chat([user("a long answer please")], max_tokens=LONG), daemon=True)
     sent.start()
     seen: dict[str, Any] = {}
 
@@ -93,7 +94,7 @@ def test_each_node_shows_its_own_figures_and_the_routers_work(cluster_factory) -
         return load["inflight"] == 1 and bool(load["scraped"]) and load["scraped"]["running"] >= 1
 
     wait_for(busy)
-    assert seen["decode_tokens"] == 20  # the request's max_tokens, counted while it runs
+    assert seen["decode_tokens"] == LONG  # the request's max_tokens, counted while it runs
     sent.join(timeout=30)
     assert node_info(c, pd.url)["load"]["decode_tokens"] == 0
     assert node_info(c, pd.url)["scrape_failures"] == 0
@@ -111,8 +112,7 @@ def test_a_pd_reporting_a_full_cache_gets_no_append_prefill(cluster_factory) -> 
     wait_for(lambda: (node_info(c, pd.url)["load"]["scraped"] or {}).get("kv_usage", 1) == 0)
     assert route_of(c.chat(history, headers=sid)) == ("local", "forced")
 
-    set_faults(pd, latency_ms=150)
-    other = threading.Thread(target=lambda: c.chat([user("someone else's long answer")], max_tokens=40), daemon=True)
+    other = threading.Thread(target=lambda: c.chat([user("someone else's long answer")], max_tokens=LONG), daemon=True)
     other.start()
     wait_for(lambda: (node_info(c, pd.url)["load"]["scraped"] or {}).get("kv_usage", 0) > 0)
     r = c.chat(history, headers=sid)

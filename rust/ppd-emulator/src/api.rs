@@ -15,6 +15,7 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+use ppd_core::prompt::given_token_id;
 use ppd_core::request::{parse_request, ContentText, PromptText};
 use ppd_model::engine::mix64;
 use ppd_model::text::{render_chat, render_prompt, Generator};
@@ -65,7 +66,10 @@ fn unix_now() -> u64 {
 
 impl AppState {
     pub fn new(cfg: &NodeConfig, profile: Profile, port: u16) -> Arc<AppState> {
-        let engine = EngineHandle::start(&profile);
+        let engine = EngineHandle::start(
+            &profile,
+            cfg.kv_events.clone().map(crate::kv_publisher::start),
+        );
         let tag = (mix64(cfg.seed ^ ((port as u64) << 32) ^ unix_now()) >> 32) as u32;
         Arc::new(AppState {
             role: cfg.role,
@@ -415,10 +419,7 @@ fn parse_body(s: &AppState, ep: Endpoint, text: &str) -> Result<Parsed, Response
             };
             match PromptText::parse(raw).map_err(|e| bad(e.to_string()))? {
                 PromptText::Text(t) => render_prompt(&t),
-                // Token-id prompts keep their ids (tagged apart from word hashes).
-                PromptText::TokenIds(ids) => {
-                    ids.into_iter().map(|i| (1u64 << 62) | i as u64).collect()
-                }
+                PromptText::TokenIds(ids) => ids.into_iter().map(given_token_id).collect(),
             }
         }
     };

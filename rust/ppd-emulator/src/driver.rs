@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ahash::AHashMap;
+use ppd_core::residency::KvEvent;
 use ppd_model::engine::Hold;
 use ppd_model::{Engine, Event, Finish, Profile, Snapshot, Submit, SubmitError, Usage};
 use tokio::sync::{mpsc, oneshot};
@@ -63,11 +64,18 @@ pub struct EngineHandle {
 }
 
 impl EngineHandle {
-    pub fn start(profile: &Profile) -> EngineHandle {
+    /// Starts the engine; with `kv_events`, each step's KV events go there.
+    pub fn start(
+        profile: &Profile,
+        kv_events: Option<mpsc::UnboundedSender<Vec<KvEvent>>>,
+    ) -> EngineHandle {
         let (tx, rx) = mpsc::unbounded_channel();
         let shared = Arc::new(Shared::default());
-        let engine = Engine::new(profile, true);
-        tokio::spawn(run(engine, rx, Arc::clone(&shared)));
+        let mut engine = Engine::new(profile, true);
+        if kv_events.is_some() {
+            engine.enable_kv_events();
+        }
+        tokio::spawn(run(engine, rx, Arc::clone(&shared), kv_events));
         EngineHandle { tx, shared }
     }
 
@@ -97,7 +105,12 @@ impl EngineHandle {
     }
 }
 
-async fn run(mut engine: Engine, mut rx: mpsc::UnboundedReceiver<Cmd>, shared: Arc<Shared>) {
+async fn run(
+    mut engine: Engine,
+    mut rx: mpsc::UnboundedReceiver<Cmd>,
+    shared: Arc<Shared>,
+    kv_events: Option<mpsc::UnboundedSender<Vec<KvEvent>>>,
+) {
     let start = Instant::now();
     let vnow = |at: Instant| at.duration_since(start).as_secs_f64() * 1000.0;
     let mut sinks: AHashMap<u64, mpsc::UnboundedSender<Out>> = AHashMap::new();
@@ -142,6 +155,13 @@ async fn run(mut engine: Engine, mut rx: mpsc::UnboundedReceiver<Cmd>, shared: A
                 &mut lag,
                 vnow(Instant::now()),
             );
+        }
+        if let Some(tx) = &kv_events {
+            let mut batch = Vec::new();
+            engine.take_kv_events(&mut batch);
+            if !batch.is_empty() {
+                let _ = tx.send(batch);
+            }
         }
         if let Ok(mut s) = shared.snapshot.lock() {
             *s = engine.snapshot();

@@ -7,6 +7,8 @@
 
 mod api;
 mod driver;
+mod kv_publisher;
+pub use kv_publisher::KvEventsConfig;
 mod metrics;
 
 use std::future::Future;
@@ -67,6 +69,8 @@ pub struct NodeConfig {
     /// Host that D nodes use to reach this node's KV (`remote_host`).
     pub advertise_host: String,
     pub faults: Faults,
+    /// Publish KV events like vLLM's `--kv-events-config` (None: off).
+    pub kv_events: Option<KvEventsConfig>,
 }
 
 impl NodeConfig {
@@ -86,6 +90,7 @@ impl NodeConfig {
             engine_id: None,
             advertise_host: "127.0.0.1".into(),
             faults: Faults::default(),
+            kv_events: None,
         }
     }
 
@@ -183,6 +188,25 @@ pub struct NodeInfo {
     pub addr: SocketAddr,
     /// `http://127.0.0.1:PORT`
     pub url: String,
+    /// Where it publishes KV events (decoding nodes), for the router to bind.
+    pub kv_events: Option<String>,
+}
+
+impl NodeInfo {
+    /// The node as the router's settings name it (`URL;kv_events=...`).
+    pub fn spec(&self) -> String {
+        match &self.kv_events {
+            Some(e) => format!("{};kv_events={e}", self.url),
+            None => self.url.clone(),
+        }
+    }
+}
+
+/// A free loopback port for a KV-event endpoint (the subscriber binds it later).
+fn free_port() -> Result<u16, Error> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
 }
 
 /// Nodes started in this process; [`Cluster::shutdown`] stops them all.
@@ -221,6 +245,14 @@ pub async fn start_cluster(roles: &[Role], base: &NodeConfig) -> Result<Cluster,
         cfg.port = addr.port();
         cfg.seed = base.seed.wrapping_add(i as u64);
         cfg.engine_id = Some(format!("emu-{}{}-{}", role.as_str(), i, addr.port()));
+        // Decoding nodes publish their cache as vLLM's would; P's KV only passes through.
+        if role != Role::P {
+            cfg.kv_events = Some(KvEventsConfig {
+                endpoint: format!("tcp://127.0.0.1:{}", free_port()?),
+                topic: format!("kv.{}{i}", role.as_str()),
+            });
+        }
+        let kv_events = cfg.kv_events.as_ref().map(|k| k.endpoint.clone());
         let mut rx = rx.clone();
         let stop_fut = async move {
             while !*rx.borrow() {
@@ -234,6 +266,7 @@ pub async fn start_cluster(roles: &[Role], base: &NodeConfig) -> Result<Cluster,
             role,
             addr,
             url: format!("http://{addr}"),
+            kv_events,
         });
     }
     Ok(Cluster { nodes, stop, tasks })
@@ -272,6 +305,11 @@ impl ClusterThread {
 
     pub fn urls(&self) -> Vec<String> {
         self.nodes.iter().map(|n| n.url.clone()).collect()
+    }
+
+    /// The nodes as router settings name them (with their KV-event endpoints).
+    pub fn specs(&self) -> Vec<String> {
+        self.nodes.iter().map(NodeInfo::spec).collect()
     }
 
     /// Stops the nodes and joins the runtime thread.

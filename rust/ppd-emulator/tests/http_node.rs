@@ -519,3 +519,36 @@ async fn injected_faults_error_hang_and_crash() {
     );
     c.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decoding_node_publishes_its_stored_blocks_as_vllm_kv_events() {
+    use zeromq::{Socket, SocketRecv};
+    let c = cluster("1R", 7).await;
+    let endpoint = c.nodes[0].kv_events.clone().expect("R publishes KV events");
+    // The router's side: SUB binds, the node's PUB connects (vLLM's non-wildcard endpoint).
+    let mut sub = zeromq::SubSocket::new();
+    sub.bind(&endpoint).await.unwrap();
+    sub.subscribe("").await.unwrap();
+    let url = format!("{}/v1/chat/completions", c.nodes[0].url);
+    let history = json!([{"role": "user", "content": "one two three four five six seven eight nine ten ".repeat(8)}]);
+    // The node retries its connection every 500 ms; ask until a batch arrives.
+    let mut stored = Vec::new();
+    for _ in 0..20 {
+        let (status, _) = post(&url, &chat(history.clone(), 4)).await;
+        assert_eq!(status, 200);
+        if let Ok(Ok(msg)) =
+            tokio::time::timeout(std::time::Duration::from_millis(300), sub.recv()).await
+        {
+            let frames: Vec<&[u8]> = msg.iter().map(|f| f.as_ref()).collect();
+            let batch = ppd_core::kv_events::decode_message(&frames).unwrap();
+            stored.extend(batch.events);
+            break;
+        }
+    }
+    assert!(
+        stored
+            .iter()
+            .any(|e| matches!(e, ppd_core::residency::KvEvent::Stored { .. })),
+        "no BlockStored reached the subscriber: {stored:?}"
+    );
+}

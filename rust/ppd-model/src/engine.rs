@@ -13,6 +13,7 @@ use ahash::AHashMap;
 use crate::kv::{BlockPool, PoolStats};
 use crate::link::Link;
 use crate::profile::{BatchShape, Profile};
+use ppd_core::residency::KvEvent;
 
 /// The tokens of a request: explicit token ids (prompt then the output it will
 /// generate), or a synthetic conversation whose token `i` depends only on
@@ -64,6 +65,13 @@ impl Content {
                 }
                 h
             }
+        }
+    }
+    /// The tokens of block `j`, when the content has real tokens (not synthetic).
+    fn block_tokens(&self, j: usize, block_size: usize) -> Option<&[u64]> {
+        match self {
+            Content::Explicit(toks) => toks.get(j * block_size..(j + 1) * block_size),
+            Content::Synthetic(_) | Content::SyntheticSalted { .. } => None,
         }
     }
     fn len_available(&self) -> usize {
@@ -257,6 +265,68 @@ pub struct Engine {
     now: f64,
     stats: EngineStats,
     scratch: Vec<u64>,
+    /// KV events not yet taken by the node's publisher (`None`: not published).
+    kv_events: Option<Vec<KvEvent>>,
+}
+
+/// Registers `seq`'s blocks up to `full` in the prefix cache; with events on,
+/// records the evictions before them and one `Stored` per run of new blocks,
+/// in the order vLLM's block pool emits them.
+fn commit_full(
+    seq: &mut Seq,
+    pool: &mut BlockPool,
+    events: &mut Option<Vec<KvEvent>>,
+    full: usize,
+    bs: usize,
+) {
+    seq.ensure_hashes(full, bs);
+    let from = seq.committed as usize;
+    seq.committed = full as u32;
+    let Some(events) = events.as_mut() else {
+        for j in from..full {
+            pool.commit(seq.blocks[j], seq.hashes[j]);
+        }
+        return;
+    };
+    flush_evictions(pool, events);
+    let mut run: Option<(usize, Vec<u64>, Vec<u64>)> = None;
+    for j in from..full {
+        let new = pool.commit(seq.blocks[j], seq.hashes[j]);
+        let tokens = seq.content.block_tokens(j, bs).filter(|_| new);
+        match (tokens, run.as_mut()) {
+            (Some(t), Some((_, hashes, toks))) => {
+                hashes.push(seq.hashes[j]);
+                toks.extend_from_slice(t);
+            }
+            (Some(t), None) => run = Some((j, vec![seq.hashes[j]], t.to_vec())),
+            (None, _) => push_run(events, run.take(), &seq.hashes, bs),
+        }
+    }
+    push_run(events, run, &seq.hashes, bs);
+}
+
+fn push_run(
+    events: &mut Vec<KvEvent>,
+    run: Option<(usize, Vec<u64>, Vec<u64>)>,
+    all: &[u64],
+    bs: usize,
+) {
+    if let Some((first, hashes, tokens)) = run {
+        events.push(KvEvent::Stored {
+            hashes,
+            parent: first.checked_sub(1).map(|p| all[p]),
+            tokens,
+            block_size: bs as u32,
+        });
+    }
+}
+
+fn flush_evictions(pool: &mut BlockPool, events: &mut Vec<KvEvent>) {
+    let mut gone = Vec::new();
+    pool.take_evicted(&mut gone);
+    if !gone.is_empty() {
+        events.push(KvEvent::Removed { hashes: gone });
+    }
 }
 
 impl Engine {
@@ -289,6 +359,21 @@ impl Engine {
             now: 0.0,
             stats: EngineStats::default(),
             scratch: Vec::new(),
+            kv_events: None,
+        }
+    }
+
+    /// Records KV events (vLLM's `BlockStored` / `BlockRemoved`) for a publisher.
+    pub fn enable_kv_events(&mut self) {
+        self.pool.record_evictions();
+        self.kv_events.get_or_insert_with(Vec::new);
+    }
+
+    /// The KV events since the last call, in order.
+    pub fn take_kv_events(&mut self, out: &mut Vec<KvEvent>) {
+        if let Some(events) = self.kv_events.as_mut() {
+            flush_evictions(&mut self.pool, events);
+            out.append(events);
         }
     }
 
@@ -522,11 +607,7 @@ impl Engine {
             seq.computed = seq.prompt_len - 1;
             // The pulled blocks join D's prefix cache, as vLLM's NIXL consumer does.
             let full = (seq.computed / self.bs) as usize;
-            seq.ensure_hashes(full, bs);
-            for j in seq.committed as usize..full {
-                self.pool.commit(seq.blocks[j], seq.hashes[j]);
-            }
-            seq.committed = full as u32;
+            commit_full(seq, &mut self.pool, &mut self.kv_events, full, bs);
             self.n_waiting_remote -= 1;
             self.waiting.push_front(slot);
         }
@@ -759,11 +840,7 @@ impl Engine {
             }
             seq.computed += n;
             let full = ((seq.computed / bs) as usize).min(seq.blocks.len());
-            seq.ensure_hashes(full, bs as usize);
-            for j in seq.committed as usize..full {
-                self.pool.commit(seq.blocks[j], seq.hashes[j]);
-            }
-            seq.committed = full as u32;
+            commit_full(seq, &mut self.pool, &mut self.kv_events, full, bs as usize);
             if seq.computed == seq.num_tokens() {
                 let index = seq.out;
                 seq.out += 1;
@@ -1186,5 +1263,36 @@ mod tests {
         e.submit(e.now() + 1.0, s(2, &b), &mut ev).unwrap();
         run_until_idle(&mut e, &mut ev);
         assert_eq!(finished(&ev, 2).1.cached_tokens, 32);
+    }
+
+    #[test]
+    fn kv_events_rebuild_the_prefix_cache_a_router_can_match() {
+        // A router applying the node's events predicts the next prompt's hit exactly.
+        let p = Profile::test_profile();
+        let mut e = engine(&p);
+        e.enable_kv_events();
+        let mut ev = vec![];
+        let a: Vec<u64> = (0..200).map(|t| t * 7 + 1).collect();
+        let s = |id, v: &Vec<u64>, n| Submit {
+            id,
+            content: Content::Explicit(Arc::from(v.clone())),
+            prompt_len: n,
+            max_tokens: 5,
+            kind: Kind::Local,
+        };
+        e.submit(0.0, s(1, &a, 150), &mut ev).unwrap();
+        run_until_idle(&mut e, &mut ev);
+        let mut index = ppd_core::residency::BlockIndex::default();
+        let mut events = vec![];
+        e.take_kv_events(&mut events);
+        assert!(!events.is_empty());
+        for x in &events {
+            assert_eq!(index.apply(x), ppd_core::residency::Applied::Ok);
+        }
+        let predicted = index.cached_prefix_tokens(&a[..190], &mut vec![]);
+        e.submit(e.now() + 1.0, s(2, &a, 190), &mut ev).unwrap();
+        run_until_idle(&mut e, &mut ev);
+        assert_eq!(predicted, finished(&ev, 2).1.cached_tokens);
+        assert!(predicted > 0);
     }
 }

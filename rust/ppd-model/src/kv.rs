@@ -37,6 +37,9 @@ pub struct BlockPool {
     free: u32,
     cached: AHashMap<u64, u32>,
     pub stats: PoolStats,
+    /// Hashes evicted since the last [`BlockPool::take_evicted`], when the
+    /// node publishes KV events (`None`: not recorded).
+    evicted: Option<Vec<u64>>,
 }
 
 impl BlockPool {
@@ -58,6 +61,19 @@ impl BlockPool {
             free: n,
             cached: AHashMap::with_capacity(n as usize),
             stats: PoolStats::default(),
+            evicted: None,
+        }
+    }
+
+    /// Starts recording evicted hashes (for `BlockRemoved` events).
+    pub fn record_evictions(&mut self) {
+        self.evicted.get_or_insert_with(Vec::new);
+    }
+
+    /// The hashes evicted since the last call.
+    pub fn take_evicted(&mut self, out: &mut Vec<u64>) {
+        if let Some(e) = self.evicted.as_mut() {
+            out.append(e);
         }
     }
 
@@ -160,6 +176,9 @@ impl BlockPool {
                 // Another block may have re-registered the same hash since.
                 if self.cached.get(&h) == Some(&id) {
                     self.cached.remove(&h);
+                    if let Some(e) = self.evicted.as_mut() {
+                        e.push(h);
+                    }
                 }
                 self.stats.evictions += 1;
             }
@@ -203,16 +222,19 @@ impl BlockPool {
         self.free += 1;
     }
 
-    /// Registers a now-full block under its content hash (first writer wins, as in vLLM).
-    pub fn commit(&mut self, id: u32, hash: u64) {
+    /// Registers a now-full block under its content hash (first writer wins,
+    /// as in vLLM); whether the cache gained the hash.
+    pub fn commit(&mut self, id: u32, hash: u64) -> bool {
         let b = &mut self.blocks[id as usize];
         if b.hash.is_some() {
-            return;
+            return false;
         }
         if let std::collections::hash_map::Entry::Vacant(e) = self.cached.entry(hash) {
             e.insert(id);
             b.hash = Some(hash);
+            return true;
         }
+        false
     }
 
     /// Whether a block is referenced (for tests and invariants).

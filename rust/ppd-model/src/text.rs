@@ -6,61 +6,11 @@
 //! that are one token each, joined by single spaces, so turn N's prompt plus
 //! its answer is a token prefix of turn N+1's prompt and the prefix cache hits.
 
-use xxhash_rust::xxh3::xxh3_64;
-
 use crate::engine::mix64;
-use ppd_core::tokens::{
-    word_rule_tokens, GENERATION_PROMPT_TOKENS, MESSAGE_OVERHEAD_TOKENS, PROMPT_PREFIX_TOKENS,
+pub use ppd_core::prompt::{
+    push_text, render_chat, render_prompt, token_id, BEGIN_OF_TEXT, END_HEADER, END_OF_TURN,
+    START_HEADER,
 };
-
-/// Ids of the template's special tokens (no word-rule token hashes to these in practice).
-pub const BEGIN_OF_TEXT: u64 = 0xF000_0000_0000_0001;
-pub const START_HEADER: u64 = 0xF000_0000_0000_0002;
-pub const END_HEADER: u64 = 0xF000_0000_0000_0003;
-pub const END_OF_TURN: u64 = 0xF000_0000_0000_0004;
-
-/// Id of one word-rule token.
-#[inline]
-pub fn token_id(token: &str) -> u64 {
-    xxh3_64(token.as_bytes())
-}
-
-/// Appends the ids of `text`'s word-rule tokens.
-pub fn push_text(out: &mut Vec<u64>, text: &str) {
-    out.extend(word_rule_tokens(text).map(token_id));
-}
-
-fn push_header(out: &mut Vec<u64>, role: &str) {
-    out.push(START_HEADER);
-    out.push(token_id(role));
-    out.push(END_HEADER);
-}
-
-/// Token ids of a chat prompt with the generation prompt; `messages` are (role, content).
-pub fn render_chat<'a>(messages: impl IntoIterator<Item = (&'a str, &'a str)>) -> Vec<u64> {
-    let mut out = Vec::with_capacity(256);
-    out.push(BEGIN_OF_TEXT);
-    for (role, content) in messages {
-        push_header(&mut out, role);
-        push_text(&mut out, content);
-        out.push(END_OF_TURN);
-    }
-    push_header(&mut out, "assistant");
-    out
-}
-
-/// Token ids of a completions prompt (begin-of-text, then the text).
-pub fn render_prompt(text: &str) -> Vec<u64> {
-    let mut out = Vec::with_capacity(text.len() / 4 + 2);
-    out.push(BEGIN_OF_TEXT);
-    push_text(&mut out, text);
-    out
-}
-
-// Template constants must agree with the router's estimator.
-const _: () = assert!(
-    PROMPT_PREFIX_TOKENS == 1 && MESSAGE_OVERHEAD_TOKENS == 4 && GENERATION_PROMPT_TOKENS == 3
-);
 
 /// Words of the generated text: all alphanumeric, so each is exactly one token.
 const VOCAB: [&str; 64] = [
@@ -119,22 +69,6 @@ impl Generator {
 mod tests {
     use super::*;
     use ppd_core::tokens::word_rule_count;
-
-    #[test]
-    fn chat_prompt_length_matches_the_router_estimate_formula() {
-        let msgs = [
-            ("system", "Be brief."),
-            ("user", "Hello, world! How are you?"),
-        ];
-        let ids = render_chat(msgs);
-        let expect = PROMPT_PREFIX_TOKENS
-            + msgs
-                .iter()
-                .map(|(_, c)| MESSAGE_OVERHEAD_TOKENS + word_rule_count(c))
-                .sum::<u32>()
-            + GENERATION_PROMPT_TOKENS;
-        assert_eq!(ids.len() as u32, expect);
-    }
 
     #[test]
     fn next_turn_renders_to_an_extension_of_prompt_plus_answer() {

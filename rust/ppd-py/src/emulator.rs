@@ -33,6 +33,7 @@ fn node_config(
     fault_latency_ms: f64,
     fault_error_rate: f64,
     fault_hang: bool,
+    kv_events_endpoint: Option<&str>,
 ) -> PyResult<NodeConfig> {
     let mut cfg = NodeConfig::new(Role::parse(role).map_err(cfg_err)?);
     cfg.host = host.to_owned();
@@ -54,6 +55,17 @@ fn node_config(
         hang: fault_hang,
         crash: false,
     };
+    if let Some(endpoint) = kv_events_endpoint {
+        if !endpoint.starts_with("tcp://") {
+            return Err(cfg_err(format!(
+                "kv_events_endpoint {endpoint:?}: expected tcp://HOST:PORT"
+            )));
+        }
+        cfg.kv_events = Some(ppd_emulator::KvEventsConfig {
+            endpoint: endpoint.to_owned(),
+            topic: format!("kv.{role}"),
+        });
+    }
     cfg.effective_profile().map_err(cfg_err)?;
     Ok(cfg)
 }
@@ -62,7 +74,7 @@ fn node_config(
 #[pyfunction]
 #[pyo3(signature = (role = "R", port = 8000, *, host = "127.0.0.1", profile = None, kv_link_gbps = None,
     max_num_seqs = None, max_num_batched_tokens = None, kv_blocks = None, seed = 0, served_model_name = None,
-    fault_latency_ms = 0.0, fault_error_rate = 0.0, fault_hang = false))]
+    fault_latency_ms = 0.0, fault_error_rate = 0.0, fault_hang = false, kv_events_endpoint = None))]
 #[allow(clippy::too_many_arguments)]
 fn run_emulator(
     py: Python<'_>,
@@ -79,6 +91,7 @@ fn run_emulator(
     fault_latency_ms: f64,
     fault_error_rate: f64,
     fault_hang: bool,
+    kv_events_endpoint: Option<&str>,
 ) -> PyResult<()> {
     let cfg = node_config(
         role,
@@ -94,6 +107,7 @@ fn run_emulator(
         fault_latency_ms,
         fault_error_rate,
         fault_hang,
+        kv_events_endpoint,
     )?;
     py.detach(|| ppd_emulator::run_blocking(cfg, ppd_server::shutdown_signal()))
         .map_err(errors::run)
@@ -105,6 +119,9 @@ struct EmulatedCluster {
     inner: Mutex<Option<ClusterThread>>,
     #[pyo3(get)]
     urls: Vec<String>,
+    /// The nodes as router settings name them: `URL;kv_events=tcp://...` for decoding nodes.
+    #[pyo3(get)]
+    specs: Vec<String>,
     /// Layout roles in order: "P", "D", "pD" or "R".
     #[pyo3(get)]
     roles: Vec<String>,
@@ -173,12 +190,14 @@ fn start_emulated_cluster(
         0.0,
         0.0,
         false,
+        None,
     )?;
     let c = py
         .detach(|| ClusterThread::start(&roles, &base))
         .map_err(errors::run)?;
     Ok(EmulatedCluster {
         urls: c.urls(),
+        specs: c.specs(),
         roles: c.nodes.iter().map(|n| n.role.as_str().to_owned()).collect(),
         inner: Mutex::new(Some(c)),
     })

@@ -40,7 +40,7 @@ fn with_emulated_nodes(settings: Settings) -> PyResult<(Settings, Option<Cluster
     let cluster = ClusterThread::start(&roles, &base)
         .map_err(|e| errors::run(format!("emulated cluster: {e}")))?;
     let settings = settings
-        .with_emulated_nodes(&cluster.urls())
+        .with_emulated_nodes(&cluster.specs())
         .map_err(|e| errors::config(e.to_string()))?;
     Ok((settings, Some(cluster)))
 }

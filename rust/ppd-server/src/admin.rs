@@ -30,6 +30,7 @@ pub fn routes() -> Router<Arc<AppState>> {
         .route("/admin/weights", get(weights).put(set_weights))
         .route("/admin/policy", get(policy).put(set_policy))
         .route("/admin/stats", get(stats))
+        .route("/admin/residency", post(residency))
 }
 
 /// Refuses without the configured bearer token (and always when none is configured).
@@ -102,6 +103,8 @@ pub fn node_list(st: &AppState) -> serde_json::Value {
                 "load": n.load_snapshot(now, crate::load::stale_after_ms(st.cfg.load_interval)),
                 "cache_epoch": n.load.epoch(), "restarts": n.load.restarts(),
                 "scrape_failures": n.load.scrape_failures(),
+                "residency": {"mode": n.kv.mode(), "kv_events": n.kv.endpoint, "blocks": n.kv.blocks(),
+                              "events": n.kv.counts()},
             })
         })
         .collect();
@@ -241,6 +244,49 @@ async fn table(State(st): State<Arc<AppState>>, h: HeaderMap) -> Response {
 struct ReloadBody {
     #[serde(default)]
     path: Option<String>,
+}
+
+/// How many leading tokens of a request's prompt each node caches, as the
+/// route step would see it now (the body is a chat or completions request;
+/// nothing is sent to any node).
+async fn residency(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) -> Response {
+    authorized!(st, h);
+    let body = match read(&st, body).await {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let Some(renderer) = st.renderer.as_deref() else {
+        return openai_error(
+            StatusCode::CONFLICT,
+            "no prompt renderer: set `tokenizer` (or prompt_renderer = \"word-rule\" for emulated nodes)",
+            "invalid_request_error",
+            "no_renderer",
+        );
+    };
+    let text = match std::str::from_utf8(&body) {
+        Ok(t) => t,
+        Err(_) => return bad_request("body is not UTF-8"),
+    };
+    let ids = match ppd_core::request::parse_request(text)
+        .and_then(|v| ppd_core::prompt::request_ids(&v, renderer))
+    {
+        Ok(ids) => ids,
+        Err(e) => return bad_request(e.to_string()),
+    };
+    let nodes: Vec<_> = st
+        .registry
+        .nodes()
+        .iter()
+        .filter(|n| n.role != Role::P)
+        .map(|n| {
+            let mode = n.kv.mode();
+            let cached = (mode == crate::kv_subscriber::Mode::Exact)
+                .then(|| n.kv.cached_prefix_tokens(&ids));
+            json!({"url": n.url, "mode": mode, "cached_tokens": cached})
+        })
+        .collect();
+    Json(json!({"prompt_tokens": ids.len(), "renderer": renderer.name(), "nodes": nodes}))
+        .into_response()
 }
 
 async fn reload(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) -> Response {

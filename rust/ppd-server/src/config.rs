@@ -18,6 +18,19 @@ pub enum KvProtocol {
     None,
 }
 
+/// How the router renders a request into the token ids a node computes, to
+/// match them against the node's KV events (exact residency).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PromptRenderer {
+    /// The model's chat template and `tokenizer.json` when `tokenizer` is set, else none.
+    Auto,
+    /// The emulator's template and word rule (what emulated nodes compute).
+    WordRule,
+    /// No rendering: residency stays approximate even with KV events.
+    None,
+}
+
 /// How the router's I/O threads serve connections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -97,6 +110,9 @@ pub struct RouterConfig {
     pub kv_bytes_per_token: u64,
     /// A tokenizer.json for exact token counts (default: the word rule).
     pub tokenizer: Option<String>,
+    /// How requests become token ids for exact residency (`auto`: the
+    /// tokenizer's chat template when `tokenizer` is set).
+    pub prompt_renderer: PromptRenderer,
     /// Log filter (tracing `EnvFilter` syntax).
     pub log: String,
     /// Router I/O threads (0: one per core).
@@ -216,6 +232,7 @@ impl Default for RouterConfig {
             replica_share: None,
             kv_bytes_per_token: 131_072,
             tokenizer: None,
+            prompt_renderer: PromptRenderer::Auto,
             log: "warn".into(),
             worker_threads: 0,
             runtime: Runtime::ThreadPerCore,
@@ -307,9 +324,13 @@ fn line_of(text: &str, offset: usize) -> usize {
 pub struct NodeSpec {
     pub url: String,
     pub zmq: Option<String>,
+    /// Where the node publishes its KV events (the router binds it).
+    pub kv_events: Option<String>,
 }
 
-/// Parses `URL` or `URL;zmq=HOST:PORT`; the URL must be http(s) with a host.
+/// Parses `URL` with options `;zmq=HOST:PORT` (P2pNccl address) and
+/// `;kv_events=tcp://HOST:PORT` (vLLM's `--kv-events-config` endpoint); the
+/// URL must be http(s) with a host.
 pub fn parse_node(field: &str, s: &str) -> Result<NodeSpec, ConfigError> {
     let mut parts = s.split(';');
     let url = parts
@@ -318,13 +339,19 @@ pub fn parse_node(field: &str, s: &str) -> Result<NodeSpec, ConfigError> {
         .trim()
         .trim_end_matches('/');
     let mut zmq = None;
+    let mut kv_events = None;
     for p in parts {
         match p.trim().split_once('=') {
             Some(("zmq", v)) if !v.trim().is_empty() => zmq = Some(v.trim().to_owned()),
+            Some(("kv_events", v)) if v.trim().starts_with("tcp://") => {
+                kv_events = Some(v.trim().to_owned())
+            }
             _ => {
                 return Err(bad(
                     field,
-                    format!("{s:?}: unknown node option {p:?} (expected zmq=HOST:PORT)"),
+                    format!(
+                        "{s:?}: unknown node option {p:?} (expected zmq=HOST:PORT or kv_events=tcp://HOST:PORT)"
+                    ),
                 ))
             }
         }
@@ -344,6 +371,7 @@ pub fn parse_node(field: &str, s: &str) -> Result<NodeSpec, ConfigError> {
     Ok(NodeSpec {
         url: url.to_owned(),
         zmq,
+        kv_events,
     })
 }
 
@@ -670,8 +698,12 @@ impl Settings {
             self.cfg.nodes_of_mut(role).push(url.clone());
             self.nodes.push((role, spec));
         }
-        // The layout is now a set of static nodes.
+        // The layout is now a set of static nodes, which render prompts with
+        // the emulator's word rule (unless the operator chose otherwise).
         self.cfg.emulated = None;
+        if self.cfg.prompt_renderer == PromptRenderer::Auto && self.cfg.tokenizer.is_none() {
+            self.cfg.prompt_renderer = PromptRenderer::WordRule;
+        }
         Ok(self)
     }
 

@@ -27,6 +27,7 @@ mod head;
 mod identify;
 mod ingress;
 mod intake;
+pub mod kv_subscriber;
 mod listener;
 pub mod load;
 pub mod metrics;

@@ -170,12 +170,15 @@ impl NodeLoad {
     }
 
     /// Takes a scrape in; returns whether it shows the node restarted since
-    /// the previous one (the cache epoch is then bumped).
-    pub fn record_scrape(&self, s: Scraped) -> bool {
+    /// the previous one. The cache epoch is then bumped, unless
+    /// `already_known` (the node's KV events showed the empty cache first).
+    pub fn record_scrape(&self, s: Scraped, already_known: bool) -> bool {
         let before = self.scraped.swap(Some(Arc::new(s)));
         let restarted = before.is_some_and(|b| restarted(&b, &s));
         if restarted {
-            self.cache_cleared();
+            if !already_known {
+                self.cache_cleared();
+            }
             self.restarts.fetch_add(1, Ordering::Relaxed);
         }
         restarted
@@ -287,14 +290,20 @@ process_start_time_seconds 1.76e9
     fn a_restart_bumps_the_cache_epoch_once() {
         let load = NodeLoad::default();
         let a = parse_metrics(VLLM, 0).unwrap();
-        assert!(!load.record_scrape(a));
-        assert!(!load.record_scrape(a));
+        assert!(!load.record_scrape(a, false));
+        assert!(!load.record_scrape(a, false));
         assert_eq!(load.epoch(), 0);
-        assert!(load.record_scrape(Scraped {
-            start_time: Some(2e9),
-            ..a
-        }));
+        assert!(load.record_scrape(
+            Scraped {
+                start_time: Some(2e9),
+                ..a
+            },
+            false
+        ));
         assert_eq!((load.epoch(), load.restarts()), (1, 1));
+        // A restart the KV events already reported is counted, not bumped again.
+        assert!(load.record_scrape(a, true));
+        assert_eq!((load.epoch(), load.restarts()), (1, 2));
     }
 
     #[test]
@@ -321,7 +330,7 @@ process_start_time_seconds 1.76e9
     #[test]
     fn a_stale_scrape_is_not_shown() {
         let load = NodeLoad::default();
-        load.record_scrape(parse_metrics(VLLM, 1000).unwrap());
+        load.record_scrape(parse_metrics(VLLM, 1000).unwrap(), false);
         assert!(load.snapshot(0, 2000, 1500).scraped.is_some());
         assert!(load.snapshot(0, 2600, 1500).scraped.is_none());
     }

@@ -58,6 +58,21 @@ pub struct NodeFigureLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NodeModeLabels {
+    pub node: String,
+    /// `exact` (KV events) or `approx` (the session alone).
+    pub mode: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NodeOutcomeLabels {
+    pub node: String,
+    /// `received` (events), `missed` (messages lost in a sequence gap),
+    /// `malformed`, `orphaned`, `skipped`, `reset`.
+    pub outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ErrorLabels {
     pub role: &'static str,
     pub kind: &'static str,
@@ -82,6 +97,12 @@ pub struct Metrics {
     pub node_load: Family<NodeFigureLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     pub node_restarts: Family<NodeLabel, Counter>,
     pub node_scrape_failures: Family<NodeLabel, Counter>,
+    pub residency_mode: Family<NodeModeLabels, Gauge>,
+    pub residency_blocks: Family<NodeLabel, Gauge>,
+    pub kv_events: Family<NodeOutcomeLabels, Counter>,
+    /// Serialises the copy of each node's event counts into `kv_events`
+    /// (counters only go up by the difference since the last copy).
+    pub kv_events_copy: parking_lot::Mutex<()>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -191,7 +212,29 @@ impl Metrics {
             "Scrapes of a node's /metrics that failed or had no vLLM load figures",
             node_scrape_failures.clone(),
         );
+        let residency_mode = Family::<NodeModeLabels, Gauge>::default();
+        registry.register(
+            "residency_mode",
+            "How the router knows what each node caches: 1 for its mode (exact: KV events; approx: sessions)",
+            residency_mode.clone(),
+        );
+        let residency_blocks = Family::<NodeLabel, Gauge>::default();
+        registry.register(
+            "residency_blocks",
+            "Prefix-cache blocks the router's index holds for each node (from its KV events)",
+            residency_blocks.clone(),
+        );
+        let kv_events = Family::<NodeOutcomeLabels, Counter>::default();
+        registry.register(
+            "kv_events",
+            "KV events per node: received, missed (sequence gaps), malformed, orphaned, skipped, reset",
+            kv_events.clone(),
+        );
         Metrics {
+            residency_mode,
+            residency_blocks,
+            kv_events,
+            kv_events_copy: parking_lot::Mutex::new(()),
             registry,
             requests,
             ttft,

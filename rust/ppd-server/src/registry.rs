@@ -9,6 +9,7 @@ use std::sync::Arc;
 use ppd_core::session::NodeId;
 
 use crate::admission::{Admitted, NodeSlots};
+use crate::kv_subscriber::NodeKv;
 use crate::load::{LoadSnapshot, NodeLoad, Work, WorkGuard};
 use ppd_core::Role;
 
@@ -40,6 +41,8 @@ pub struct Node {
     /// Live load (the router's work on it and the node's own figures) and
     /// the epoch of its cache.
     pub load: Arc<NodeLoad>,
+    /// Its KV events and the block index they build (exact residency).
+    pub kv: Arc<NodeKv>,
     /// `{url}/v1/chat/completions` and `{url}/v1/completions`, parsed once:
     /// parsing a URL per request cost more than building the rest of it.
     /// `None` when the URL does not parse (the request then reports why).
@@ -189,6 +192,20 @@ impl Registry {
         source: Source,
         now_ms: u64,
     ) -> (Arc<Node>, bool) {
+        self.upsert_with_events(url, role, zmq, None, source, now_ms)
+    }
+
+    /// [`Registry::upsert`] for a node that publishes KV events at `kv_events`
+    /// (the endpoint the router binds; kept from the node's first registration).
+    pub fn upsert_with_events(
+        &self,
+        url: &str,
+        role: Role,
+        zmq: Option<String>,
+        kv_events: Option<String>,
+        source: Source,
+        now_ms: u64,
+    ) -> (Arc<Node>, bool) {
         let _w = self.write.lock();
         let cur = self.nodes.load_full();
         if let Some(n) = cur.iter().find(|n| n.url == url && n.role == role) {
@@ -203,6 +220,7 @@ impl Registry {
             role,
             zmq,
             source,
+            kv: Arc::new(NodeKv::new(kv_events)),
             healthy: AtomicBool::new(true),
             inflight: AtomicU32::new(0),
             consecutive_failures: AtomicU32::new(0),

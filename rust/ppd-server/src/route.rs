@@ -134,10 +134,16 @@ fn overloaded(st: &AppState, n: &Node, now_ms: u64) -> bool {
 }
 
 /// What the session's D still holds: lost when its cache epoch moved on
-/// since the conversation's last turn there (it restarted or was cleared).
+/// since the conversation's last turn there (it restarted or was cleared);
+/// else, where its KV events are live, exactly the prompt's cached leading
+/// tokens; else unknown (the session alone vouches for it).
 fn residency(id: &Identified, holder: Option<&Node>) -> Residency {
     match (id.session, holder) {
         (Some(s), Some(d)) if s.d == Some(d.id) && s.d_epoch != d.load.epoch() => Residency::Lost,
+        (Some(s), Some(d)) if s.d == Some(d.id) => match &id.prompt_ids {
+            Some(ids) => Residency::Cached(d.kv.cached_prefix_tokens(ids)),
+            None => Residency::Unknown,
+        },
         _ => Residency::Unknown,
     }
 }

@@ -16,9 +16,12 @@ use ppd_core::Role;
 use crate::config::{RouterConfig, Runtime, Settings};
 use crate::error::{method_not_allowed, openai_error};
 use crate::ingress;
+use crate::kv_subscriber;
 use crate::listener::{self, Budget, Shared, ADMIN_MAX_CONNECTIONS};
 use crate::load;
-use crate::metrics::{NodeFigureLabels, NodeLabel, NodeStateLabels};
+use crate::metrics::{
+    NodeFigureLabels, NodeLabel, NodeModeLabels, NodeOutcomeLabels, NodeStateLabels,
+};
 use crate::registry::NodeState;
 use crate::state::AppState;
 use crate::ServerError;
@@ -161,11 +164,49 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
             }
         }
     }
+    export_residency(&st);
     (
         [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
         st.metrics.encode(),
     )
         .into_response()
+}
+
+/// Each node's residency mode, index size and KV-event counts, into the metrics.
+fn export_residency(st: &AppState) {
+    let m = &st.metrics;
+    let _copy = m.kv_events_copy.lock();
+    for n in st.registry.nodes().iter() {
+        let mode = n.kv.mode();
+        for each in kv_subscriber::Mode::ALL {
+            m.residency_mode
+                .get_or_create(&NodeModeLabels {
+                    node: n.url.clone(),
+                    mode: each.as_str(),
+                })
+                .set(i64::from(each == mode));
+        }
+        m.residency_blocks
+            .get_or_create(&NodeLabel {
+                node: n.url.clone(),
+            })
+            .set(n.kv.blocks() as i64);
+        let c = n.kv.counts();
+        for (outcome, v) in [
+            ("received", c.events),
+            ("missed", c.missed),
+            ("malformed", c.malformed),
+            ("orphaned", c.orphaned),
+            ("skipped", c.skipped),
+            ("reset", c.resets),
+        ] {
+            let counter = m.kv_events.get_or_create(&NodeOutcomeLabels {
+                node: n.url.clone(),
+                outcome,
+            });
+            counter.inc_by(v.saturating_sub(counter.get()));
+        }
+    }
 }
 
 /// One round of active health checks; the first healthy answer of
@@ -226,9 +267,14 @@ pub async fn scrape_load(st: &AppState) {
         };
         match got {
             Ok(Some(s)) => {
-                if n.load.record_scrape(s) {
+                // The event stream sees a restart first (its sequence starts over).
+                let known = n.kv.reset_within(st.now_ms(), KV_RESET_WINDOW_MS);
+                if n.load.record_scrape(s, known) {
                     tracing::warn!(node = %n.url, "node restarted: its cached KV is gone");
                     st.metrics.node_restarts.get_or_create(&label()).inc();
+                    if !known {
+                        n.kv.clear();
+                    }
                 }
             }
             _ => {
@@ -241,6 +287,26 @@ pub async fn scrape_load(st: &AppState) {
         }
     });
     futures_util::future::join_all(scrapes).await;
+}
+
+/// A restart the KV events reported this recently is the one a scrape sees.
+const KV_RESET_WINDOW_MS: u64 = 10_000;
+
+/// One subscriber task per node that publishes KV events (static nodes).
+fn start_kv_subscribers(st: &Arc<AppState>) -> Vec<tokio::task::JoinHandle<()>> {
+    st.registry
+        .nodes()
+        .iter()
+        .filter(|n| n.kv.endpoint.is_some())
+        .map(|n| {
+            let clock = Arc::clone(st);
+            tokio::spawn(kv_subscriber::run(
+                Arc::clone(&n.kv),
+                Arc::clone(&n.load),
+                move || clock.now_ms(),
+            ))
+        })
+        .collect()
 }
 
 async fn scrape_loop(st: Arc<AppState>) {
@@ -298,6 +364,7 @@ pub async fn run(
     check_health(&state).await;
     let bg = tokio::spawn(background(Arc::clone(&state)));
     let scraper = tokio::spawn(scrape_loop(Arc::clone(&state)));
+    let subscribers = start_kv_subscribers(&state);
     if let Some(tx) = ready {
         let _ = tx.send(Arc::clone(&state));
     }
@@ -343,6 +410,9 @@ pub async fn run(
     };
     bg.abort();
     scraper.abort();
+    for s in &subscribers {
+        s.abort();
+    }
     served
 }
 

@@ -9,13 +9,14 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use thread_local::ThreadLocal;
 
 use ppd_core::builtin::load_table;
+use ppd_core::prompt::{HfRenderer, PromptRenderer, WordRuleRenderer};
 use ppd_core::qps::QpsEstimator;
 use ppd_core::session::{SessionConfig, SessionTable};
 use ppd_core::tokens::{TokenCounter, WordRule};
 use ppd_core::{DecisionEngine, Path, Reason, Role};
 
 use crate::admission::Admission;
-use crate::config::{RouterConfig, Settings};
+use crate::config::{self, RouterConfig, Settings};
 use crate::connector::{self, KvConnector};
 use crate::metrics::Metrics;
 use crate::registry::{BreakerConfig, NodeLimits, Registry, Source};
@@ -55,6 +56,8 @@ pub struct AppState {
     /// Built at start, so a client that cannot be built is a start-up error.
     first_client: reqwest::Client,
     pub counter: Arc<dyn TokenCounter>,
+    /// Renders requests into node token ids for exact residency (`None`: approximate only).
+    pub renderer: Option<Arc<dyn PromptRenderer>>,
     pub stats: Mutex<DecisionStats>,
     /// Model entries of `/v1/models`, gathered from the nodes.
     pub models: ArcSwap<Vec<serde_json::Value>>,
@@ -96,6 +99,7 @@ impl AppState {
             }
             None => Arc::new(WordRule),
         };
+        let renderer = prompt_renderer(&cfg)?;
         let first_client =
             http_client(&cfg).map_err(|e| ServerError::Config(format!("HTTP client: {e}")))?;
         let started_wall_ms = SystemTime::now()
@@ -114,6 +118,7 @@ impl AppState {
             clients: ThreadLocal::new(),
             first_client,
             counter,
+            renderer,
             stats: Mutex::new(DecisionStats::default()),
             models: ArcSwap::from_pointee(Vec::new()),
             started: Instant::now(),
@@ -122,9 +127,14 @@ impl AppState {
         });
         let now = state.now_ms();
         for (role, node) in settings.nodes() {
-            state
-                .registry
-                .upsert(&node.url, *role, node.zmq.clone(), Source::Static, now);
+            state.registry.upsert_with_events(
+                &node.url,
+                *role,
+                node.zmq.clone(),
+                node.kv_events.clone(),
+                Source::Static,
+                now,
+            );
         }
         Ok(state)
     }
@@ -200,4 +210,19 @@ fn http_client(cfg: &RouterConfig) -> reqwest::Result<reqwest::Client> {
         .pool_max_idle_per_host(1024)
         .tcp_nodelay(true)
         .build()
+}
+
+/// The renderer of exact residency, from `prompt_renderer` and `tokenizer`.
+fn prompt_renderer(cfg: &RouterConfig) -> Result<Option<Arc<dyn PromptRenderer>>, ServerError> {
+    Ok(match (cfg.prompt_renderer, &cfg.tokenizer) {
+        (config::PromptRenderer::None, _) | (config::PromptRenderer::Auto, None) => None,
+        (config::PromptRenderer::WordRule, _) => Some(Arc::new(WordRuleRenderer)),
+        (config::PromptRenderer::Auto, Some(path)) => Some(Arc::new(
+            HfRenderer::from_tokenizer_file(path).map_err(|e| {
+                ServerError::Config(format!(
+                    "invalid setting `tokenizer` (its chat template): {e}"
+                ))
+            })?,
+        )),
+    })
 }
