@@ -25,7 +25,7 @@ use tokio::sync::{mpsc, Notify};
 
 use crate::driver::{EngineHandle, Out};
 use crate::metrics::{self, Metrics};
-use crate::{Faults, NodeConfig, Role};
+use crate::{Bidirectional, Faults, NodeConfig, Role};
 
 /// Largest request body accepted (vLLM has none; this keeps a bad client from exhausting memory).
 const MAX_BODY: usize = 64 * 1024 * 1024;
@@ -51,6 +51,7 @@ pub struct AppState {
     rng: AtomicU64,
     client: reqwest::Client,
     created: u64,
+    bidirectional: Option<Bidirectional>,
     /// Model times of recent requests (name, first token ms, finish ms) for `/admin/timings`.
     timings: Mutex<std::collections::VecDeque<(String, f64, f64)>>,
 }
@@ -98,6 +99,7 @@ impl AppState {
                 .build()
                 .unwrap_or_default(),
             created: unix_now(),
+            bidirectional: cfg.bidirectional,
             timings: Mutex::new(std::collections::VecDeque::new()),
         })
     }
@@ -460,18 +462,58 @@ fn remote_of(kv: &Value) -> Result<Option<Remote>, Response> {
     }
 }
 
-async fn pull(s: &AppState, r: &Remote) -> bool {
+/// Where a bidirectional P reads a conversation's KV back from: a D's
+/// answered `kv_transfer_params` (`do_remote_decode` with D's
+/// `remote_block_ids`), as vLLM's pull scheduler requires them.
+struct DecodeSource {
+    remote: Remote,
+    num_tokens: u32,
+}
+
+fn decode_source(kv: &Value) -> Option<DecodeSource> {
+    if kv.get("do_remote_decode").and_then(Value::as_bool) != Some(true) {
+        return None;
+    }
+    let blocks = kv.get("remote_block_ids").and_then(Value::as_array)?;
+    if blocks.is_empty() || kv.get("remote_engine_id").is_none_or(Value::is_null) {
+        return None;
+    }
+    let host = kv.get("remote_host").and_then(Value::as_str)?;
+    let port = kv.get("remote_port").and_then(Value::as_u64)?;
+    let rid = kv.get("remote_request_id").and_then(Value::as_str)?;
+    let num_tokens = kv
+        .get("remote_num_tokens")
+        .and_then(Value::as_u64)
+        .unwrap_or(0);
+    Some(DecodeSource {
+        remote: Remote {
+            host: host.to_owned(),
+            port: u16::try_from(port).ok()?,
+            request_id: rid.to_owned(),
+        },
+        num_tokens: u32::try_from(num_tokens).unwrap_or(u32::MAX),
+    })
+}
+
+/// Takes the KV a remote node holds for `r` (P's prefill, or D's pin):
+/// the tokens it covers, or `None` when it holds none (never, already
+/// pulled, expired, unreachable).
+async fn pull(s: &AppState, r: &Remote) -> Option<u32> {
     let url = format!("http://{}:{}/internal/kv/pull", r.host, r.port);
-    match s
+    let resp = s
         .client
         .post(&url)
         .json(&json!({"remote_request_id": r.request_id}))
         .send()
         .await
-    {
-        Ok(resp) => resp.status().is_success(),
-        Err(_) => false,
+        .ok()?;
+    if !resp.status().is_success() {
+        return None;
     }
+    let v: Value = resp.json().await.ok()?;
+    v.get("num_tokens")
+        .and_then(Value::as_u64)
+        .and_then(|n| u32::try_from(n).ok())
 }
 
 /// vLLM's cleanup of a refused `do_remote_prefill` request
@@ -485,7 +527,7 @@ async fn release_rejected(s: &AppState, text: &str) {
         return;
     };
     if let Ok(Some(r)) = remote_of(&kv) {
-        pull(s, &r).await;
+        let _ = pull(s, &r).await;
     }
 }
 
@@ -546,7 +588,7 @@ async fn generate(s: Arc<AppState>, ep: Endpoint, body: Bytes) -> Response {
         Kind::Local
     };
     if let Some(r) = &remote {
-        if pull(&s, r).await {
+        if pull(&s, r).await.is_some() {
             kind = Kind::RemotePrefill;
         } else {
             // vLLM's kv_load_failure_policy=recompute: compute the prompt here.
@@ -554,6 +596,35 @@ async fn generate(s: Arc<AppState>, ep: Endpoint, body: Bytes) -> Response {
         }
     }
     let prompt_len = p.prompt.len() as u32;
+    let remote_prefix = match (&s.bidirectional, decode_source(&p.kv)) {
+        (Some(b), Some(src)) if kind == Kind::RemoteDecode => {
+            // vLLM's pull scheduler: min(remote_num_tokens, prompt), and no
+            // pull at all below kv_recompute_threshold.
+            let want = src.num_tokens.min(prompt_len.saturating_sub(1));
+            if want < b.kv_recompute_threshold.max(1) {
+                0
+            } else {
+                match pull(&s, &src.remote).await {
+                    Some(held) => want.min(held),
+                    None => {
+                        s.with_metrics(|m| m.kv_pull_failures += 1);
+                        0
+                    }
+                }
+            }
+        }
+        _ => 0,
+    };
+    // A bidirectional D pins what a request with transfer params computed,
+    // for a later turn's P to read (vLLM pins only such requests).
+    let pin_ms = match &s.bidirectional {
+        Some(b)
+            if kind != Kind::RemoteDecode && p.kv.as_object().is_some_and(|o| !o.is_empty()) =>
+        {
+            Some(b.decoder_kv_blocks_ttl_s * 1000.0)
+        }
+        _ => None,
+    };
     let key = s.gen.key(&p.prompt);
     let (n_out, finish_reason) = match p.max_tokens {
         Some(n) => (n, "length"),
@@ -581,6 +652,8 @@ async fn generate(s: Arc<AppState>, ep: Endpoint, body: Bytes) -> Response {
         prompt_len,
         max_tokens: n_out,
         kind,
+        remote_prefix,
+        pin_ms,
     };
     tokio::time::sleep(s.request_overhead).await;
     let rx = s.engine.submit(submit);
@@ -599,6 +672,7 @@ async fn generate(s: Arc<AppState>, ep: Endpoint, body: Bytes) -> Response {
         finish_reason,
         include_usage: p.include_usage,
         kind,
+        pinned: pin_ms.is_some(),
         arrived,
     };
     if p.stream {
@@ -619,6 +693,8 @@ struct Ctx {
     finish_reason: &'static str,
     include_usage: bool,
     kind: Kind,
+    /// A bidirectional D keeps this request's blocks for a later pull.
+    pinned: bool,
     arrived: Instant,
 }
 
@@ -632,19 +708,37 @@ impl Ctx {
         })
     }
 
-    fn kv_params(&self, blocks: &[u32]) -> Value {
-        if self.kind != Kind::RemoteDecode {
+    /// What vLLM's NIXL scheduler answers at `request_finished`: a P names
+    /// the prefill a D is to pull; a pinning D names the blocks a later P may
+    /// read back. `held` is what the engine keeps (blocks, tokens).
+    fn kv_params(&self, held: Option<(&[u32], u32)>) -> Value {
+        let Some((blocks, tokens)) = held.filter(|(b, _)| !b.is_empty()) else {
+            return Value::Null;
+        };
+        let is_p = self.kind == Kind::RemoteDecode;
+        if !is_p && !self.pinned {
             return Value::Null;
         }
+        let expiry = self.s.bidirectional.filter(|_| !is_p).map(|b| {
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs_f64())
+                .unwrap_or(0.0)
+                + b.decoder_kv_blocks_ttl_s
+        });
         json!({
-            "do_remote_prefill": true,
-            "do_remote_decode": false,
+            "do_remote_prefill": is_p,
+            "do_remote_decode": !is_p,
             "remote_block_ids": blocks,
             "remote_engine_id": self.s.engine_id,
             "remote_request_id": self.name,
             "remote_host": self.s.advertise_host,
             "remote_port": self.s.port,
             "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": tokens,
+            "remote_blocks_expiry_time": expiry,
             "transfer_mode": "pull"
         })
     }
@@ -742,6 +836,7 @@ async fn json_response(
                 usage,
                 finish,
                 held_blocks,
+                held_tokens,
                 t,
             }) => {
                 guard.armed = false;
@@ -768,7 +863,7 @@ async fn json_response(
                 let mut body = json!({
                     "id": ctx.name, "object": object, "created": ctx.created, "model": ctx.s.model,
                     "choices": [choice], "usage": ctx.usage(&usage),
-                    "system_fingerprint": null, "kv_transfer_params": ctx.kv_params(&held_blocks)
+                    "system_fingerprint": null, "kv_transfer_params": ctx.kv_params(Some((&held_blocks, held_tokens)))
                 });
                 if ctx.ep == Endpoint::Chat {
                     body["service_tier"] = Value::Null;

@@ -22,11 +22,13 @@ pub enum Out {
         index: u32,
         t: f64,
     },
-    /// `held_blocks`: the block ids P keeps for a D to pull (empty unless RemoteDecode).
+    /// `held_blocks`: the block ids kept for another node to pull (P's
+    /// RemoteDecode prefill, or a bidirectional D's pin), covering `held_tokens`.
     Finished {
         usage: Usage,
         finish: Finish,
         held_blocks: Vec<u32>,
+        held_tokens: u32,
         t: f64,
     },
 }
@@ -188,9 +190,9 @@ fn dispatch(
                 finish,
                 usage,
             } => {
-                let held_blocks = engine
+                let (held_blocks, held_tokens) = engine
                     .holds(id)
-                    .map(|h| h.blocks.clone())
+                    .map(|h| (h.blocks.clone(), h.tokens))
                     .unwrap_or_default();
                 (
                     id,
@@ -199,6 +201,7 @@ fn dispatch(
                         usage,
                         finish,
                         held_blocks,
+                        held_tokens,
                         t,
                     }),
                 )

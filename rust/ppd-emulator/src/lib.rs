@@ -71,6 +71,62 @@ pub struct NodeConfig {
     pub faults: Faults,
     /// Publish KV events like vLLM's `--kv-events-config` (None: off).
     pub kv_events: Option<KvEventsConfig>,
+    /// vLLM's NIXL bidirectional transfer (None: off).
+    pub bidirectional: Option<Bidirectional>,
+}
+
+/// vLLM's NIXL `kv_connector_extra_config` for bidirectional transfer: a D
+/// keeps a finished request's blocks for `decoder_kv_blocks_ttl` seconds and
+/// names them in its answer's `kv_transfer_params`, so that a P can read the
+/// conversation's KV back (`do_remote_decode` with D's `remote_block_ids`) and
+/// prefill only the new tokens.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Bidirectional {
+    /// Seconds a D pins a finished request's blocks (vLLM's default 480).
+    pub decoder_kv_blocks_ttl_s: f64,
+    /// A P recomputes instead of pulling fewer tokens than this (vLLM's default 64).
+    pub kv_recompute_threshold: u32,
+}
+
+impl Default for Bidirectional {
+    fn default() -> Self {
+        Bidirectional {
+            decoder_kv_blocks_ttl_s: 480.0,
+            kv_recompute_threshold: 64,
+        }
+    }
+}
+
+impl Bidirectional {
+    /// From vLLM's `kv_connector_extra_config` JSON (`bidirectional_kv_xfer`,
+    /// `decoder_kv_blocks_ttl`, `kv_recompute_threshold`); `None` when
+    /// bidirectional transfer is off. Other keys are vLLM's and ignored here.
+    pub fn from_extra_config(json: &str) -> Result<Option<Bidirectional>, Error> {
+        #[derive(serde::Deserialize)]
+        struct Extra {
+            #[serde(default)]
+            bidirectional_kv_xfer: bool,
+            decoder_kv_blocks_ttl: Option<f64>,
+            kv_recompute_threshold: Option<u32>,
+        }
+        let e: Extra = serde_json::from_str(json)
+            .map_err(|e| Error::Config(format!("kv_connector_extra_config: {e}")))?;
+        if !e.bidirectional_kv_xfer {
+            return Ok(None);
+        }
+        let d = Bidirectional::default();
+        let b = Bidirectional {
+            decoder_kv_blocks_ttl_s: e.decoder_kv_blocks_ttl.unwrap_or(d.decoder_kv_blocks_ttl_s),
+            kv_recompute_threshold: e.kv_recompute_threshold.unwrap_or(d.kv_recompute_threshold),
+        };
+        if !(b.decoder_kv_blocks_ttl_s.is_finite() && b.decoder_kv_blocks_ttl_s > 0.0) {
+            return Err(Error::Config(format!(
+                "decoder_kv_blocks_ttl must be a positive number of seconds, got {}",
+                b.decoder_kv_blocks_ttl_s
+            )));
+        }
+        Ok(Some(b))
+    }
 }
 
 impl NodeConfig {
@@ -91,6 +147,7 @@ impl NodeConfig {
             advertise_host: "127.0.0.1".into(),
             faults: Faults::default(),
             kv_events: None,
+            bidirectional: None,
         }
     }
 

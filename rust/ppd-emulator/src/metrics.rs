@@ -171,6 +171,20 @@ pub fn render(model: &str, role: &str, m: &Metrics, s: &Snapshot, lag: &Lag) -> 
         l,
         s.stats.generation_tokens as f64,
     );
+    let _ = writeln!(
+        o,
+        "# HELP vllm:prompt_tokens_by_source_total Number of prompt tokens by source.\n# TYPE vllm:prompt_tokens_by_source_total counter"
+    );
+    for (source, v) in [
+        ("local_compute", s.stats.prompt_local_compute),
+        ("local_cache_hit", s.stats.prompt_local_cache_hit),
+        ("external_kv_transfer", s.stats.prompt_external),
+    ] {
+        let _ = writeln!(
+            o,
+            "vllm:prompt_tokens_by_source_total{{{l},source=\"{source}\"}} {v}"
+        );
+    }
     let _ = writeln!(o, "# HELP vllm:request_success_total Count of successfully processed requests.\n# TYPE vllm:request_success_total counter");
     for (reason, v) in [
         ("length", m.success_length),

@@ -463,6 +463,129 @@ async fn nixl_exchange_moves_kv_from_p_to_d_end_to_end() {
     c.shutdown().await;
 }
 
+async fn metric(url: &str, name: &str) -> f64 {
+    let text = client()
+        .get(format!("{url}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find(|l| l.starts_with(name))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{name} not in /metrics"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bidirectional_p_reads_ds_conversation_kv_and_prefills_only_the_new_turn() {
+    let mut base = NodeConfig::new(Role::R);
+    base.seed = 8;
+    base.profile.step.overhead_ms = 0.5;
+    base.profile.api.request_overhead_ms = 0.0;
+    base.profile.link.latency_ms = 1.0;
+    base.bidirectional = ppd_emulator::Bidirectional::from_extra_config(
+        r#"{"bidirectional_kv_xfer": true, "decoder_kv_blocks_ttl": 30}"#,
+    )
+    .unwrap();
+    let c = start_cluster(&parse_layout("1P1pD").unwrap(), &base)
+        .await
+        .unwrap();
+    let (p, d) = (&c.nodes[0].url, &c.nodes[1].url);
+    // Turn 1 on D, with (empty) transfer params so that D pins its blocks.
+    let turn1 = json!([{"role": "user", "content": "word ".repeat(300)}]);
+    let mut to_d = chat(turn1.clone(), 20);
+    to_d["kv_transfer_params"] = json!({"do_remote_decode": false, "do_remote_prefill": false});
+    let (s, dv) = post(&format!("{d}/v1/chat/completions"), &to_d).await;
+    assert_eq!(s, 200, "{dv}");
+    let handle = dv["kv_transfer_params"].clone();
+    assert_eq!(handle["do_remote_decode"], true, "{handle}");
+    assert_eq!(handle["do_remote_prefill"], false);
+    let prompt1 = dv["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(
+        handle["remote_num_tokens"].as_u64().unwrap(),
+        prompt1 + 20 - 1
+    );
+    assert!(handle["remote_blocks_expiry_time"].as_f64().unwrap() > 0.0);
+    assert_eq!(
+        metric(d, "emulator:kv_held_requests").await,
+        1.0,
+        "D pins turn 1"
+    );
+    // Without params a request is not pinned, and its answer names nothing.
+    let (_, plain) = post(
+        &format!("{d}/v1/chat/completions"),
+        &chat(json!([{"role": "user", "content": "other"}]), 4),
+    )
+    .await;
+    assert!(plain["kv_transfer_params"].is_null(), "{plain}");
+
+    // Turn 2's prefill on P reads the conversation's KV back from D.
+    let answer = dv["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let turn2 = json!([{"role": "user", "content": "word ".repeat(300)},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "and then what happened after all of that"}]);
+    let mut to_p = chat(turn2.clone(), 1);
+    let mut kv = handle.clone();
+    kv["do_remote_decode"] = json!(true);
+    kv["do_remote_prefill"] = json!(false);
+    to_p["kv_transfer_params"] = kv;
+    let computed_before = metric(p, "vllm:prompt_tokens_by_source_total{engine=\"0\",model_name=\"meta-llama/Llama-3.1-8B-Instruct\",source=\"local_compute\"}").await;
+    let (s, pv) = post(&format!("{p}/v1/chat/completions"), &to_p).await;
+    assert_eq!(s, 200, "{pv}");
+    let prompt2 = pv["usage"]["prompt_tokens"].as_u64().unwrap();
+    let pulled = pv["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(pulled, prompt1 + 20 - 1, "P pulled all D computed");
+    let computed = metric(p, "vllm:prompt_tokens_by_source_total{engine=\"0\",model_name=\"meta-llama/Llama-3.1-8B-Instruct\",source=\"local_compute\"}").await - computed_before;
+    assert_eq!(
+        computed as u64,
+        prompt2 - pulled,
+        "P computed only the new tokens"
+    );
+    assert_eq!(
+        metric(p, "vllm:external_prefix_cache_hits_total").await as u64,
+        pulled
+    );
+    assert_eq!(
+        metric(d, "emulator:kv_held_requests").await,
+        0.0,
+        "the read released D's pin"
+    );
+    // The handle is single-use: a second read finds nothing at D (P's own
+    // prefix cache serves the prompt now).
+    let (s, _) = post(&format!("{p}/v1/chat/completions"), &to_p).await;
+    assert_eq!(s, 200);
+    assert_eq!(
+        metric(p, "vllm:external_prefix_cache_hits_total").await as u64,
+        pulled
+    );
+    assert_eq!(metric(p, "emulator:kv_pull_failures_total").await, 1.0);
+
+    // D decodes turn 2 from P's prefill, pulling only what its cache lacks.
+    let mut to_d2 = chat(turn2, 8);
+    to_d2["kv_transfer_params"] = pv["kv_transfer_params"].clone();
+    let (s, d2) = post(&format!("{d}/v1/chat/completions"), &to_d2).await;
+    assert_eq!(s, 200, "{d2}");
+    assert_eq!(
+        d2["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap(),
+        prompt2 - 1
+    );
+    assert_eq!(
+        d2["kv_transfer_params"]["do_remote_decode"], true,
+        "turn 2 pinned too"
+    );
+    c.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_seed_fixes_generated_text_across_nodes() {
     let a = cluster("2R", 9).await;

@@ -100,6 +100,13 @@ pub struct Submit {
     pub prompt_len: u32,
     pub max_tokens: u32,
     pub kind: Kind,
+    /// Leading prompt tokens whose KV a remote engine holds and this one pulls
+    /// before computing the rest (vLLM's bidirectional NIXL: P reads the
+    /// conversation's KV from D); 0 for none.
+    pub remote_prefix: u32,
+    /// Keep the finished request's blocks this long (ms) for a later pull
+    /// (vLLM's `decoder_kv_blocks_ttl` on a bidirectional D); `None`: free them.
+    pub pin_ms: Option<f64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -180,6 +187,10 @@ struct Seq {
     committed: u32,
     first_scheduled: bool,
     usage: Usage,
+    remote_prefix: u32,
+    pin_ms: Option<f64>,
+    /// Tokens computed once the KV being pulled has arrived.
+    pull_to: u32,
 }
 
 impl Seq {
@@ -211,6 +222,11 @@ pub struct EngineStats {
     pub transfers: u64,
     pub transfer_bytes: u64,
     pub leases_expired: u64,
+    /// Prompt tokens by where their KV came from, counted when a request is
+    /// first scheduled (vLLM's `prompt_tokens_by_source`).
+    pub prompt_local_compute: u64,
+    pub prompt_local_cache_hit: u64,
+    pub prompt_external: u64,
 }
 
 /// A snapshot for `/metrics` and for routing (load).
@@ -225,7 +241,8 @@ pub struct Snapshot {
     pub stats: EngineStats,
 }
 
-/// P's hold on the KV of a finished `RemoteDecode` request.
+/// The KV of a finished request kept for another engine to pull: P's for a
+/// `RemoteDecode` request (its lease), or D's pin for a later turn's pull.
 #[derive(Debug, Clone)]
 pub struct Hold {
     pub blocks: Vec<u32>,
@@ -476,6 +493,9 @@ impl Engine {
                 prompt_tokens: req.prompt_len,
                 ..Usage::default()
             },
+            remote_prefix: req.remote_prefix,
+            pin_ms: req.pin_ms,
+            pull_to: 0,
         };
         let slot = match self.free_slots.pop() {
             Some(s) => {
@@ -604,7 +624,7 @@ impl Engine {
                 continue;
             };
             seq.state = State::Waiting;
-            seq.computed = seq.prompt_len - 1;
+            seq.computed = seq.pull_to;
             // The pulled blocks join D's prefix cache, as vLLM's NIXL consumer does.
             let full = (seq.computed / self.bs) as usize;
             commit_full(seq, &mut self.pool, &mut self.kv_events, full, bs);
@@ -622,6 +642,14 @@ impl Engine {
     }
     fn seq_mut(&mut self, slot: usize) -> &mut Seq {
         self.slots[slot].as_mut().expect("scheduled slot in use")
+    }
+
+    /// Counts a request's prompt by source when it is first scheduled.
+    fn count_prompt_sources(&mut self, prompt_len: u32, local_hit: u32, external: u32) {
+        let s = &mut self.stats;
+        s.prompt_local_cache_hit += u64::from(local_hit);
+        s.prompt_external += u64::from(external);
+        s.prompt_local_compute += u64::from(prompt_len.saturating_sub(local_hit + external));
     }
 
     fn blocks_for(&self, tokens: u32) -> usize {
@@ -701,19 +729,30 @@ impl Engine {
             let bsz = bs as usize;
             let fresh = self.seq(slot).blocks.is_empty() && self.seq(slot).computed == 0;
             if fresh {
-                let (hit_blocks, num_tokens, kind, first) = {
+                let (hit_blocks, num_tokens, kind, first, remote_prefix) = {
                     let seq = self.slots[slot].as_mut().expect("waiting slot");
                     let max_hit = ((seq.num_tokens() - 1) / bs) as usize;
                     seq.ensure_hashes(max_hit, bsz);
                     let hit = self.pool.match_prefix(&seq.hashes[..max_hit]);
-                    (hit, seq.num_tokens(), seq.kind, !seq.first_scheduled)
+                    let remote = seq.remote_prefix;
+                    (
+                        hit,
+                        seq.num_tokens(),
+                        seq.kind,
+                        !seq.first_scheduled,
+                        remote,
+                    )
                 };
                 let hit_tokens = hit_blocks as u32 * bs;
-                let external = if kind == Kind::RemotePrefill && first {
-                    (self.seq(slot).prompt_len - 1).saturating_sub(hit_tokens)
-                } else {
-                    0
+                let last_prompt = self.seq(slot).prompt_len - 1;
+                // Pulled: the whole prompt but its last token (D of a pd turn),
+                // or the remote's share of it (P reading D's conversation KV).
+                let pull_to = match kind {
+                    Kind::RemotePrefill if first => last_prompt,
+                    _ if first => remote_prefix.min(last_prompt),
+                    _ => 0,
                 };
+                let external = pull_to.saturating_sub(hit_tokens);
                 // P2pNccl-style connectors resend the whole prompt; NIXL pulls the rest only.
                 let pull = if kind == Kind::RemotePrefill && first && self.full_transfer {
                     self.seq(slot).prompt_len - 1
@@ -721,8 +760,7 @@ impl Engine {
                     external
                 };
                 if pull > 0 {
-                    let prompt_len = self.seq(slot).prompt_len;
-                    let need = self.blocks_for(prompt_len - 1) - hit_blocks;
+                    let need = self.blocks_for(pull_to) - hit_blocks;
                     if need as u32 > self.pool.num_free() {
                         break;
                     }
@@ -736,9 +774,12 @@ impl Engine {
                     seq.computed = hit_tokens;
                     seq.first_scheduled = true;
                     seq.state = State::WaitingRemote;
+                    seq.pull_to = pull_to;
                     seq.usage.cached_tokens = hit_tokens + external;
                     seq.usage.external_tokens = pull;
                     let id = seq.id;
+                    let prompt_len = seq.prompt_len;
+                    self.count_prompt_sources(prompt_len, hit_tokens, external);
                     self.pool.stats.queries += num_tokens as u64;
                     self.pool.stats.hits += hit_tokens as u64;
                     self.stats.external_queries += pull as u64;
@@ -765,11 +806,15 @@ impl Engine {
                 seq.blocks.extend_from_slice(&alloc);
                 seq.committed = hit_blocks as u32;
                 seq.computed = hit_tokens;
+                let prompt_len = seq.prompt_len;
                 if first {
                     seq.usage.cached_tokens = hit_tokens;
-                    self.stats.prompt_tokens += seq.prompt_len as u64;
                 }
                 seq.first_scheduled = true;
+                if first {
+                    self.stats.prompt_tokens += prompt_len as u64;
+                    self.count_prompt_sources(prompt_len, hit_tokens, 0);
+                }
                 self.pool.stats.queries += num_tokens as u64;
                 self.pool.stats.hits += hit_tokens as u64;
                 shape.add_prefill(hit_tokens, n);
@@ -865,19 +910,29 @@ impl Engine {
             let mut seq = self.take(slot);
             seq.usage.completion_tokens = seq.out;
             self.stats.finished += 1;
-            if seq.kind == Kind::RemoteDecode {
-                let expires = t + self.lease_ms;
-                self.lease_queue.push_back((expires, seq.id));
-                self.holds.insert(
-                    seq.id,
-                    Hold {
-                        blocks: std::mem::take(&mut seq.blocks),
-                        tokens: seq.prompt_len,
-                        expires,
-                    },
-                );
-            } else {
-                self.pool.release(&seq.blocks);
+            // P holds a prefill for its D; a pinning D holds what it computed
+            // (all but the last output token) for a later turn's pull.
+            let kept = match (seq.kind, seq.pin_ms) {
+                (Kind::RemoteDecode, _) => Some((self.lease_ms, seq.prompt_len)),
+                (_, Some(ms)) => Some((ms, seq.num_tokens() - 1)),
+                _ => None,
+            };
+            match kept {
+                Some((ms, tokens)) => {
+                    let expires = t + ms;
+                    // Leases and pins may differ in length: keep expiry order.
+                    let at = self.lease_queue.partition_point(|&(e, _)| e <= expires);
+                    self.lease_queue.insert(at, (expires, seq.id));
+                    self.holds.insert(
+                        seq.id,
+                        Hold {
+                            blocks: std::mem::take(&mut seq.blocks),
+                            tokens,
+                            expires,
+                        },
+                    );
+                }
+                None => self.pool.release(&seq.blocks),
             }
             ev.push(Event::Finished {
                 id: seq.id,
@@ -919,6 +974,8 @@ mod tests {
             prompt_len: prompt,
             max_tokens: out,
             kind: Kind::Local,
+            remote_prefix: 0,
+            pin_ms: None,
         }
     }
 
@@ -1112,6 +1169,74 @@ mod tests {
     }
 
     #[test]
+    fn a_pinning_d_holds_what_it_computed_until_pulled_or_its_ttl() {
+        let p = Profile::test_profile();
+        let mut e = engine(&p);
+        let mut ev = vec![];
+        let mut r = req(1, 5, 320, 9);
+        r.pin_ms = Some(5_000.0);
+        e.submit(0.0, r, &mut ev).unwrap();
+        let mut r2 = req(2, 6, 320, 9);
+        r2.pin_ms = Some(60_000.0);
+        e.submit(0.0, r2, &mut ev).unwrap();
+        while e.in_flight() > 0 {
+            let t = e.next_event_time().unwrap();
+            e.advance(t, &mut ev);
+        }
+        assert_eq!(e.snapshot().held, 2);
+        // Prompt and output but the last token, whose KV is never computed.
+        assert_eq!(e.holds(1).unwrap().tokens, 320 + 9 - 1);
+        // The shorter pin expires first although it was queued after none.
+        e.advance(e.now() + 5_001.0, &mut ev);
+        assert!(ev
+            .iter()
+            .any(|x| matches!(x, Event::LeaseExpired { id: 1, .. })));
+        assert!(e.holds(2).is_some(), "the longer pin still holds");
+        let h = e.take_hold(e.now(), 2, &mut ev).expect("pinned");
+        assert_eq!(h.tokens, 328);
+        assert_eq!(e.snapshot().held, 0);
+        // Released blocks stay in the prefix cache: the next turn hits them.
+        e.submit(e.now() + 1.0, req(3, 6, 400, 1), &mut ev).unwrap();
+        run_until_idle(&mut e, &mut ev);
+        assert!(finished(&ev, 3).1.cached_tokens >= 320);
+    }
+
+    #[test]
+    fn a_remote_prefix_is_pulled_and_only_the_new_tokens_are_computed() {
+        let p = Profile::test_profile();
+        let mut e = engine(&p);
+        let mut ev = vec![];
+        let mut r = req(1, 77, 1700, 1);
+        r.kind = Kind::RemoteDecode;
+        r.remote_prefix = 1600;
+        e.submit(0.0, r, &mut ev).unwrap();
+        assert_eq!(e.snapshot().waiting_remote, 1);
+        while e.in_flight() > 0 {
+            let t = e.next_event_time().unwrap();
+            e.advance(t, &mut ev);
+        }
+        let (_, u) = finished(&ev, 1);
+        assert_eq!((u.cached_tokens, u.external_tokens), (1600, 1600));
+        let s = e.snapshot().stats;
+        assert_eq!(
+            (
+                s.prompt_local_compute,
+                s.prompt_external,
+                s.prompt_local_cache_hit
+            ),
+            (100, 1600, 0)
+        );
+        // The whole prompt is then held for its D, as any RemoteDecode prefill.
+        assert_eq!(e.holds(1).unwrap().tokens, 1700);
+        // A prefix no longer than what is cached locally pulls nothing.
+        let mut again = req(2, 77, 1700, 1);
+        again.kind = Kind::RemoteDecode;
+        again.remote_prefix = 1600;
+        e.submit(e.now() + 1.0, again, &mut ev).unwrap();
+        assert_eq!(e.snapshot().waiting_remote, 0);
+    }
+
+    #[test]
     fn remote_prefill_pulls_over_the_link_then_decodes_and_caches_the_prefix() {
         let p = Profile::test_profile();
         let mut d = engine(&p);
@@ -1196,6 +1321,8 @@ mod tests {
             prompt_len: 3,
             max_tokens: 5,
             kind: Kind::Local,
+            remote_prefix: 0,
+            pin_ms: None,
         };
         assert!(matches!(
             e.submit(0.0, short, &mut ev),
@@ -1257,6 +1384,8 @@ mod tests {
             prompt_len: 90,
             max_tokens: 5,
             kind: Kind::Local,
+            remote_prefix: 0,
+            pin_ms: None,
         };
         e.submit(0.0, s(1, &a), &mut ev).unwrap();
         run_until_idle(&mut e, &mut ev);
@@ -1279,6 +1408,8 @@ mod tests {
             prompt_len: n,
             max_tokens: 5,
             kind: Kind::Local,
+            remote_prefix: 0,
+            pin_ms: None,
         };
         e.submit(0.0, s(1, &a, 150), &mut ev).unwrap();
         run_until_idle(&mut e, &mut ev);

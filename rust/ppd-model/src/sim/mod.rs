@@ -316,6 +316,8 @@ impl<'a> Sim<'a> {
             prompt_len: prompt,
             max_tokens: out,
             kind,
+            remote_prefix: 0,
+            pin_ms: None,
         };
         let at = t + self.p.api.request_overhead_ms;
         self.push(
