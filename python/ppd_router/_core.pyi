@@ -161,6 +161,7 @@ class DecisionEngine:
         session_on_replica: bool = False,
         kv_lost: bool = False,
         cached_tokens: Optional[int] = None,
+        pull_ready: bool = False,
     ) -> Route:
         """Route one request (Algorithm 1, Phase 2, plus session and node vetoes)."""
     def set_weights(self, w_ttft: float, w_tpot: float) -> None: ...
@@ -272,6 +273,7 @@ def run_emulator(
     fault_error_rate: float = 0.0,
     fault_hang: bool = False,
     kv_events_endpoint: Optional[str] = None,
+    kv_connector_extra_config: Optional[str] = None,
 ) -> None:
     """Runs one emulator node until SIGINT/SIGTERM (returns None) or a failure (raises)."""
 
@@ -307,6 +309,7 @@ def start_emulated_cluster(
     kv_blocks: Optional[int] = None,
     seed: int = 0,
     served_model_name: Optional[str] = None,
+    kv_connector_extra_config: Optional[str] = None,
 ) -> EmulatedCluster:
     """Starts the nodes of ``layout`` (e.g. "2P2pD", "1P_1D_2pD", "4R") in this process."""
 

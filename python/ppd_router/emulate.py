@@ -22,6 +22,7 @@ def _run(args: argparse.Namespace) -> int:
             kv_blocks=args.kv_blocks,
             seed=args.seed,
             served_model_name=args.served_model_name,
+            kv_connector_extra_config=args.kv_connector_extra_config,
         )
         stop = threading.Event()
         for s in (signal.SIGINT, signal.SIGTERM):
@@ -50,6 +51,7 @@ def _run(args: argparse.Namespace) -> int:
         fault_error_rate=args.fault_error_rate,
         fault_hang=args.fault_hang,
         kv_events_endpoint=args.kv_events_endpoint,
+        kv_connector_extra_config=args.kv_connector_extra_config,
     )
     return 0
 
@@ -88,5 +90,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--kv-events-endpoint",
         help="publish KV events (vLLM's BlockStored/BlockRemoved msgpack over ZMQ) by connecting to tcp://HOST:PORT",
+    )
+    p.add_argument(
+        "--kv-connector-extra-config",
+        metavar="JSON",
+        help="vLLM's NIXL kv_connector_extra_config; bidirectional_kv_xfer, decoder_kv_blocks_ttl and "
+        "kv_recompute_threshold are emulated (a D pins turns, a P reads them back: the pull path)",
     )
     p.set_defaults(func=_run)

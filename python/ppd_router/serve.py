@@ -54,6 +54,7 @@ _SCALARS: dict[str, tuple[type, str]] = {
     "overload_inflight": (int, "in-flight requests at which local is vetoed on a pD (0 = off)"),
     "overload_waiting": (int, "requests a pD reports waiting at which local is vetoed (0 = off, the default)"),
     "overload_kv_usage": (float, "KV-cache usage (0..1) a pD reports at which local is vetoed (0 = off; default 0.95)"),
+    "decoder_kv_blocks_ttl": (float, "seconds a bidirectional D pins a turn's blocks (vLLM's default 480)"),
     "load_interval": (float, "seconds between scrapes of node /metrics for load and restarts (0 = off; default 1)"),
     "qps_window": (float, "QPS estimator window in seconds (default 10)"),
     "replica_share": (float, "hybrid R + P/D: share of new conversations for replicas"),
@@ -86,6 +87,8 @@ _SCALARS: dict[str, tuple[type, str]] = {
 # On/off settings: the flag turns them on (the file may too).
 _SWITCHES = {
     "expose_node_header": "send each answer's node address in x-ppd-node (internal; off by default)",
+    "bidirectional_kv_xfer": "the nodes run vLLM's NIXL connector with bidirectional_kv_xfer (launch sets it): "
+    "the pull path, where P reads a conversation's KV back from its D and prefills only the new tokens",
 }
 
 

@@ -44,7 +44,7 @@ def _show(args: argparse.Namespace) -> int:
                 route = engine.decide(2, n_in, n_out, n_ctx, q)
                 cell: Mapping[str, Any] = route.cell or {}
                 mark = "~" if cell.get("distance", 0.0) > 0 else ""
-                tag = {"local": "L", "pd": "P", "replica": "R"}[route.path]
+                tag = {"local": "L", "pd": "P", "replica": "R", "pull": "U"}[route.path]
                 score = f"{route.score:+.2f}" if route.score is not None else "-"
                 row.append(f"{mark + tag + score:>{width}}")
                 local += route.path == "local"

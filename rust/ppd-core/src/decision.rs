@@ -2,8 +2,8 @@
 //!
 //! Every outcome is decided here, in [`DecisionEngine::decide`], in one fixed
 //! order: replica-only policy, replica sessions, Turn 1 (hybrid share or pd),
-//! no session, D unavailable, the policy, then the decode-only, residency
-//! and overload vetoes on local. Table, weights and policy swap atomically while
+//! no session, D unavailable, the policy, then the vetoes: decode-only and
+//! overload on local, residency on local and pull, a pull handle on pull. Table, weights and policy swap atomically while
 //! requests are being decided.
 
 use arc_swap::ArcSwap;
@@ -100,17 +100,23 @@ impl DecisionEngine {
             return early(Reason::DUnavailable);
         }
         let (path, reason) = policy.choose(input, &scored, w);
+        // Both reuse D's copy of the context: local computes on D, pull reads
+        // it from D. Only local computes there (decode-only, overload).
+        let reuses = matches!(path, Path::Local | Path::Pull);
         if path == Path::Local && !input.d_local_capable {
             return early(Reason::DecodeOnly);
         }
-        if path == Path::Local && input.residency == Residency::Lost {
+        if reuses && input.residency == Residency::Lost {
             return early(Reason::KvLost);
         }
-        if path == Path::Local && input.residency.too_little_of(input.n_ctx) {
+        if reuses && input.residency.too_little_of(input.n_ctx) {
             return early(Reason::NotResident);
         }
         if path == Path::Local && input.d_overloaded {
             return early(Reason::DOverloaded);
+        }
+        if path == Path::Pull && !input.pull_ready {
+            return early(Reason::NoPullHandle);
         }
         Ok(Route {
             path,
@@ -241,6 +247,43 @@ mod tests {
             })
             .unwrap();
         assert_eq!(r.reason, Reason::Forced);
+    }
+
+    #[test]
+    fn pull_needs_a_handle_and_ds_copy_but_not_ds_compute() {
+        let e = engine(PolicyKind::Pull, Weights::default());
+        let ready = DecisionInput {
+            pull_ready: true,
+            ..DecisionInput::turn(2, 64, 64, 300, 4.0)
+        };
+        let r = e.decide(&ready).unwrap();
+        assert_eq!((r.path, r.reason), (Path::Pull, Reason::Forced));
+        let r = e
+            .decide(&DecisionInput {
+                pull_ready: false,
+                ..ready
+            })
+            .unwrap();
+        assert_eq!((r.path, r.reason), (Path::Pd, Reason::NoPullHandle));
+        for (residency, why) in [
+            (Residency::Lost, Reason::KvLost),
+            (Residency::Cached(10), Reason::NotResident),
+        ] {
+            let r = e.decide(&DecisionInput { residency, ..ready }).unwrap();
+            assert_eq!((r.path, r.reason), (Path::Pd, why));
+        }
+        // P computes, so a decode-only or busy D still serves a pull.
+        let r = e
+            .decide(&DecisionInput {
+                d_local_capable: false,
+                d_overloaded: true,
+                ..ready
+            })
+            .unwrap();
+        assert_eq!(r.path, Path::Pull);
+        // Turn 1 and unknown conversations go pd as under every policy.
+        let r = e.decide(&DecisionInput::turn(1, 64, 64, 0, 4.0)).unwrap();
+        assert_eq!(r.reason, Reason::Turn1);
     }
 
     #[test]

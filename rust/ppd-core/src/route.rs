@@ -44,15 +44,19 @@ pub enum Path {
     Local,
     /// A replica prefills and decodes.
     Replica,
+    /// P reads the conversation's KV back from the session's D (vLLM NIXL
+    /// bidirectional transfer), prefills only the new tokens, and D decodes.
+    Pull,
 }
 
 impl Path {
-    pub const ALL: [Path; 3] = [Path::Pd, Path::Local, Path::Replica];
+    pub const ALL: [Path; 4] = [Path::Pd, Path::Local, Path::Replica, Path::Pull];
     pub fn as_str(self) -> &'static str {
         match self {
             Path::Pd => "pd",
             Path::Local => "local",
             Path::Replica => "replica",
+            Path::Pull => "pull",
         }
     }
 }
@@ -97,10 +101,14 @@ pub enum Reason {
     /// The session's D holds less than half of the conversation's context
     /// (evicted, or never cached): local would recompute most of it anyway.
     NotResident,
+    /// The policy chose pull but the router cannot name blocks on D for P to
+    /// read: D's last answer streamed (vLLM 0.32 returns its transfer params
+    /// only in whole answers), its pin expired, or was already read.
+    NoPullHandle,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 17] = [
+    pub const ALL: [Reason; 18] = [
         Reason::Turn1,
         Reason::NoSession,
         Reason::DUnavailable,
@@ -118,6 +126,7 @@ impl Reason {
         Reason::NodeFailed,
         Reason::KvLost,
         Reason::NotResident,
+        Reason::NoPullHandle,
     ];
     pub fn as_str(self) -> &'static str {
         match self {
@@ -138,6 +147,7 @@ impl Reason {
             Reason::NodeFailed => "node_failed",
             Reason::KvLost => "kv_lost",
             Reason::NotResident => "not_resident",
+            Reason::NoPullHandle => "no_pull_handle",
         }
     }
 }
@@ -198,6 +208,9 @@ pub struct DecisionInput {
     pub replica_share: f64,
     /// The session lives on a replica.
     pub session_on_replica: bool,
+    /// That D pins the conversation's blocks and the router can name them
+    /// for a P to read (the pull path is feasible).
+    pub pull_ready: bool,
 }
 
 impl DecisionInput {
@@ -217,6 +230,7 @@ impl DecisionInput {
             d_local_capable: true,
             replica_share: 0.0,
             session_on_replica: false,
+            pull_ready: false,
         }
     }
 

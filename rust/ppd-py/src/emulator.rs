@@ -34,6 +34,7 @@ fn node_config(
     fault_error_rate: f64,
     fault_hang: bool,
     kv_events_endpoint: Option<&str>,
+    kv_connector_extra_config: Option<&str>,
 ) -> PyResult<NodeConfig> {
     let mut cfg = NodeConfig::new(Role::parse(role).map_err(cfg_err)?);
     cfg.host = host.to_owned();
@@ -66,6 +67,10 @@ fn node_config(
             topic: format!("kv.{role}"),
         });
     }
+    if let Some(extra) = kv_connector_extra_config {
+        cfg.bidirectional =
+            ppd_emulator::Bidirectional::from_extra_config(extra).map_err(cfg_err)?;
+    }
     cfg.effective_profile().map_err(cfg_err)?;
     Ok(cfg)
 }
@@ -74,7 +79,8 @@ fn node_config(
 #[pyfunction]
 #[pyo3(signature = (role = "R", port = 8000, *, host = "127.0.0.1", profile = None, kv_link_gbps = None,
     max_num_seqs = None, max_num_batched_tokens = None, kv_blocks = None, seed = 0, served_model_name = None,
-    fault_latency_ms = 0.0, fault_error_rate = 0.0, fault_hang = false, kv_events_endpoint = None))]
+    fault_latency_ms = 0.0, fault_error_rate = 0.0, fault_hang = false, kv_events_endpoint = None,
+    kv_connector_extra_config = None))]
 #[allow(clippy::too_many_arguments)]
 fn run_emulator(
     py: Python<'_>,
@@ -92,6 +98,7 @@ fn run_emulator(
     fault_error_rate: f64,
     fault_hang: bool,
     kv_events_endpoint: Option<&str>,
+    kv_connector_extra_config: Option<&str>,
 ) -> PyResult<()> {
     let cfg = node_config(
         role,
@@ -108,6 +115,7 @@ fn run_emulator(
         fault_error_rate,
         fault_hang,
         kv_events_endpoint,
+        kv_connector_extra_config,
     )?;
     py.detach(|| ppd_emulator::run_blocking(cfg, ppd_server::shutdown_signal()))
         .map_err(errors::run)
@@ -162,7 +170,8 @@ impl EmulatedCluster {
 /// Starts the nodes of `layout` (e.g. "2P2pD", "1P_1D_2pD", "4R") in this process.
 #[pyfunction]
 #[pyo3(signature = (layout, *, profile = None, kv_link_gbps = None, max_num_seqs = None,
-    max_num_batched_tokens = None, kv_blocks = None, seed = 0, served_model_name = None))]
+    max_num_batched_tokens = None, kv_blocks = None, seed = 0, served_model_name = None,
+    kv_connector_extra_config = None))]
 #[allow(clippy::too_many_arguments)]
 fn start_emulated_cluster(
     py: Python<'_>,
@@ -174,6 +183,7 @@ fn start_emulated_cluster(
     kv_blocks: Option<u32>,
     seed: u64,
     served_model_name: Option<&str>,
+    kv_connector_extra_config: Option<&str>,
 ) -> PyResult<EmulatedCluster> {
     let roles = parse_layout(layout).map_err(errors::from_core)?;
     let base = node_config(
@@ -191,6 +201,7 @@ fn start_emulated_cluster(
         0.0,
         false,
         None,
+        kv_connector_extra_config,
     )?;
     let c = py
         .detach(|| ClusterThread::start(&roles, &base))

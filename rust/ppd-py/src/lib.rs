@@ -338,8 +338,9 @@ impl DecisionEngine {
 
     /// Routes one request. Turn 1 takes pd; Turn 2+ follows the policy unless
     /// the session is unknown, its D unavailable, or (for local) overloaded,
-    /// its KV lost (`kv_lost`) or mostly not cached (`cached_tokens`).
-    #[pyo3(signature = (turn, n_in, n_out, n_ctx, qps, *, conversation_id = None, has_session = true, d_available = true, d_overloaded = false, d_local_capable = true, replica_share = 0.0, session_on_replica = false, kv_lost = false, cached_tokens = None))]
+    /// its KV lost (`kv_lost`) or mostly not cached (`cached_tokens`); pull
+    /// needs D's pin named (`pull_ready`).
+    #[pyo3(signature = (turn, n_in, n_out, n_ctx, qps, *, conversation_id = None, has_session = true, d_available = true, d_overloaded = false, d_local_capable = true, replica_share = 0.0, session_on_replica = false, kv_lost = false, cached_tokens = None, pull_ready = false))]
     #[allow(clippy::too_many_arguments)]
     fn decide(
         &self,
@@ -358,6 +359,7 @@ impl DecisionEngine {
         session_on_replica: bool,
         kv_lost: bool,
         cached_tokens: Option<i64>,
+        pull_ready: bool,
     ) -> PyResult<Route> {
         let residency = match (kv_lost, cached_tokens) {
             (true, _) => Residency::Lost,
@@ -378,6 +380,7 @@ impl DecisionEngine {
             d_local_capable,
             replica_share,
             session_on_replica,
+            pull_ready,
         };
         let route = self.inner.decide(&input).map_err(to_py)?;
         let table = self.inner.table();

@@ -37,6 +37,14 @@ fn with_emulated_nodes(settings: Settings) -> PyResult<(Settings, Option<Cluster
         base.profile = ppd_model::load_profile(p)
             .map_err(|e| errors::config(format!("invalid setting `emulator_profile`: {e}")))?;
     }
+    // Nodes as `launch` would start them for a router that pulls.
+    let cfg = settings.config();
+    if cfg.bidirectional_kv_xfer {
+        base.bidirectional = Some(ppd_emulator::Bidirectional {
+            decoder_kv_blocks_ttl_s: cfg.decoder_kv_blocks_ttl,
+            ..ppd_emulator::Bidirectional::default()
+        });
+    }
     let cluster = ClusterThread::start(&roles, &base)
         .map_err(|e| errors::run(format!("emulated cluster: {e}")))?;
     let settings = settings

@@ -12,6 +12,10 @@ use crate::registry::Node;
 use crate::sse::Usage;
 use crate::state::AppState;
 
+/// How long before a pin's end the router stops naming it: vLLM's P declines
+/// a read within 5 s of it (`_KV_BLOCKS_EXPIRY_SAFETY_MARGIN`).
+const PIN_SAFETY_MARGIN_MS: u64 = 5_000;
+
 /// Marks a response already counted in `ppd_requests_total` (a routed request).
 #[derive(Clone, Copy)]
 pub struct Counted;
@@ -75,6 +79,19 @@ impl Ticket {
         self.count(502);
     }
 
+    /// A bidirectional D named the blocks it pins for this turn: the next
+    /// turn may pull them (until vLLM's safety margin before the pin's TTL).
+    pub fn record_pin(&self, params: &serde_json::Value) {
+        let st = &self.state;
+        let now = st.now_ms();
+        let ttl_ms = (st.cfg.decoder_kv_blocks_ttl * 1000.0) as u64;
+        let expires = now + ttl_ms.saturating_sub(PIN_SAFETY_MARGIN_MS);
+        let d = (self.d.id, self.d.load.epoch());
+        if let Some(h) = crate::pull::handle_of(params, d, expires) {
+            st.pulls.record(&self.conv, h);
+        }
+    }
+
     /// A complete answer: session, latencies, KV accounting, node health.
     pub fn finish(&self, usage: Option<Usage>, first_token: Option<Instant>, end: Instant) {
         let st = &self.state;
@@ -116,6 +133,13 @@ impl Ticket {
                     st.metrics
                         .kv_bytes_avoided
                         .inc_by(u64::from(cached) * per_token);
+                }
+                // P hands D only the new tokens' KV (the read from D is
+                // counted in kv_bytes_pulled).
+                Path::Pull => {
+                    st.metrics
+                        .kv_bytes_moved
+                        .inc_by(u64::from(self.n_in) * per_token);
                 }
                 _ => {}
             }

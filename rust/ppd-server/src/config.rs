@@ -99,6 +99,14 @@ pub struct RouterConfig {
     /// KV-cache usage the pD reports (`vllm:kv_cache_usage_perc`, 0..1) at
     /// which local is vetoed: an append-prefill there would preempt (0: off).
     pub overload_kv_usage: f64,
+    /// The nodes run vLLM's NIXL connector with `bidirectional_kv_xfer`: a D
+    /// pins what it computed and names it in whole answers, which makes the
+    /// pull path possible; local turns then ask D to pin too.
+    pub bidirectional_kv_xfer: bool,
+    /// Seconds such a D pins a finished turn's blocks (vLLM's
+    /// `decoder_kv_blocks_ttl`, default 480); a handle is not used within
+    /// vLLM's 5 s safety margin of it.
+    pub decoder_kv_blocks_ttl: f64,
     /// Seconds between scrapes of every node's `/metrics` for its live load
     /// and restarts (0: no scraping).
     pub load_interval: f64,
@@ -227,6 +235,8 @@ impl Default for RouterConfig {
             overload_inflight: 0,
             overload_waiting: 0,
             overload_kv_usage: 0.95,
+            bidirectional_kv_xfer: false,
+            decoder_kv_blocks_ttl: 480.0,
             load_interval: 1.0,
             qps_window: 10.0,
             replica_share: None,
@@ -484,6 +494,7 @@ impl RouterConfig {
             ("qps_window", self.qps_window),
             ("first_token_timeout", self.first_token_timeout),
             ("queue_timeout", self.queue_timeout),
+            ("decoder_kv_blocks_ttl", self.decoder_kv_blocks_ttl),
         ] {
             positive(field, v)?;
         }

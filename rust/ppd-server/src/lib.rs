@@ -32,6 +32,7 @@ mod listener;
 pub mod load;
 pub mod metrics;
 mod orchestrate;
+mod pull;
 pub mod registry;
 mod relay;
 mod route;

@@ -73,6 +73,11 @@ pub struct NodeOutcomeLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FigureLabel {
+    pub figure: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ErrorLabels {
     pub role: &'static str,
     pub kind: &'static str,
@@ -86,6 +91,10 @@ pub struct Metrics {
     pub decision: Histogram,
     pub kv_bytes_moved: Counter,
     pub kv_bytes_avoided: Counter,
+    pub kv_bytes_pulled: Counter,
+    /// What bidirectional D nodes pin for the pull path, as far as the
+    /// router holds handles on it: `handles`, `blocks`, `tokens`.
+    pub pinned: Family<FigureLabel, Gauge>,
     pub upstream_errors: Family<ErrorLabels, Counter>,
     pub retries: Counter,
     pub request_retries: Family<RetryLabels, Counter>,
@@ -230,7 +239,21 @@ impl Metrics {
             "KV events per node: received, missed (sequence gaps), malformed, orphaned, skipped, reset",
             kv_events.clone(),
         );
+        let kv_bytes_pulled = Counter::default();
+        registry.register(
+            "kv_bytes_pulled",
+            "KV bytes P read back from D's pin on the pull path (the context it did not recompute)",
+            kv_bytes_pulled.clone(),
+        );
+        let pinned = Family::<FigureLabel, Gauge>::default();
+        registry.register(
+            "pinned_kv",
+            "What bidirectional D nodes pin for the pull path, by the router's live handles: handles, blocks, tokens",
+            pinned.clone(),
+        );
         Metrics {
+            kv_bytes_pulled,
+            pinned,
             residency_mode,
             residency_blocks,
             kv_events,

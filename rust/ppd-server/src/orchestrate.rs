@@ -20,6 +20,7 @@ use crate::body::{drop_router_fields, rewrite, Edit};
 use crate::bookkeeping::{counted, upstream_error, Ticket};
 use crate::connector::prefill_body;
 use crate::error::{invalid_request, openai_error, unavailable};
+use crate::pull::Handle;
 use crate::registry::{InflightGuard, Node};
 use crate::relay::{route_headers, streamed, whole, Relay};
 use crate::route::{prefill_node, Plan, Target};
@@ -65,13 +66,20 @@ pub(crate) async fn run(
     };
     match &plan.target {
         Target::Local(d) | Target::Replica(d) | Target::Direct(d) => {
+            let st = call.st;
+            // Only a whole answer names the pin (vLLM 0.32), so only then pin.
+            let pin = (st.cfg.bidirectional_kv_xfer && d.role.decodes() && !call.view.is_stream())
+                .then(|| st.connector.pin_edit())
+                .flatten();
             let edits = drop_router_fields(call.view)
                 .chain(usage_edit(call.text, call.view))
+                .chain(pin)
                 .collect();
             run.forward(None, Arc::clone(d), admitted, edits, None, None)
                 .await
         }
-        Target::Pd(d) => run.pd(Arc::clone(d), admitted).await,
+        Target::Pd(d) => run.pd(Arc::clone(d), admitted, None).await,
+        Target::Pull(d, h) => run.pd(Arc::clone(d), admitted, Some(h)).await,
         Target::Unavailable(why) => Ok(run.fail(unavailable(*why))),
     }
 }
@@ -116,14 +124,31 @@ impl Run<'_> {
 
     /// P prefills, its KV moves to D, D decodes; a P that fails before
     /// answering is replaced by another P, and with none left the route step
-    /// runs the turn on D alone.
-    async fn pd(&self, d: Arc<Node>, admitted: Option<Admitted>) -> Result<Response, Retry> {
+    /// runs the turn on D alone. With `pull`, the first P also reads the
+    /// conversation's KV back from D's pin; a replacement P prefills it all
+    /// (the first may have read the pin, which frees it).
+    async fn pd(
+        &self,
+        d: Arc<Node>,
+        admitted: Option<Admitted>,
+        pull: Option<&Handle>,
+    ) -> Result<Response, Retry> {
         let st = self.st();
         let connector = st.connector.as_ref();
-        let body = match prefill_body(connector, self.call.text, self.call.view) {
-            Ok(b) => Bytes::from(b),
+        let prefill = |pull: Option<&Handle>| {
+            prefill_body(
+                connector,
+                self.call.text,
+                self.call.view,
+                pull.map(|h| h.prefill_params.as_str()),
+            )
+            .map(Bytes::from)
+        };
+        let mut body = match prefill(pull) {
+            Ok(b) => b,
             Err(e) => return Ok(self.fail(invalid_request(e.to_string(), "invalid_json"))),
         };
+        let mut pulling = pull;
         let mut tried = Vec::new();
         loop {
             let Some(p) = prefill_node(st, &tried) else {
@@ -142,13 +167,18 @@ impl Run<'_> {
                 Ok(rid) => rid,
                 Err(why) => return Ok(self.fail(unavailable(why))),
             };
-            let work = self.plan.prefill_work();
+            let work = self.plan.prefill_work(st.cfg.kv_bytes_per_token);
             let why = match upstream::prefill(st, self.call.endpoint, &p, body.clone(), &rid, work)
                 .await
             {
                 Ok(answer) => match connector.handoff(&answer) {
                     Ok(handoff) => {
                         st.registry.record_success(&p);
+                        if let Some(h) = pulling {
+                            st.metrics
+                                .kv_bytes_pulled
+                                .inc_by(u64::from(h.tokens) * st.cfg.kv_bytes_per_token);
+                        }
                         let mut staged = Staged {
                             st: Arc::clone(st),
                             via: Arc::clone(&d),
@@ -179,6 +209,12 @@ impl Run<'_> {
             tracing::warn!(node = %p.url, %why, "prefill failed; trying another P");
             st.registry.record_failure(&p, st.now_ms());
             st.metrics.retries.inc();
+            if pulling.take().is_some() {
+                body = match prefill(None) {
+                    Ok(b) => b,
+                    Err(e) => return Ok(self.fail(invalid_request(e.to_string(), "invalid_json"))),
+                };
+            }
         }
     }
 

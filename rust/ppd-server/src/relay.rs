@@ -60,10 +60,16 @@ pub(crate) async fn whole(
     struct WithUsage {
         #[serde(default)]
         usage: Option<Usage>,
+        /// A bidirectional D's pin, for the next turn's pull.
+        #[serde(default)]
+        kv_transfer_params: Option<serde_json::Value>,
     }
-    let usage = serde_json::from_slice::<WithUsage>(&bytes)
-        .ok()
-        .and_then(|u| u.usage);
+    let (usage, pin) = serde_json::from_slice::<WithUsage>(&bytes)
+        .map(|u| (u.usage, u.kv_transfer_params))
+        .unwrap_or_default();
+    if let Some(pin) = pin.filter(|_| ticket.state.cfg.bidirectional_kv_xfer) {
+        ticket.record_pin(&pin);
+    }
     let end = Instant::now();
     ticket.finish(usage, Some(end), end);
     drop(inflight);

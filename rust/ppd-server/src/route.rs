@@ -1,8 +1,9 @@
 //! The route step: the one place where a request's path, its P and D, and every veto are chosen.
 //!
 //! [`plan`] asks the decision engine for the path (Turn 1, no session, D
-//! unavailable or overloaded, the policy), places it on nodes and vetoes the
-//! pd path's prefill when no P is available (`p_unavailable`);
+//! unavailable or overloaded, the policy), places it on nodes — taking the
+//! pull path's handle on D's pin — and vetoes the pd path's prefill when no P
+//! is available (`p_unavailable`);
 //! [`prefill_node`] picks the P of each prefill attempt; [`after_failure`]
 //! and [`without_prefill`] make the one retry a request gets when a node
 //! failed before anything reached the client.
@@ -15,6 +16,7 @@ use ppd_core::{DecisionInput, Path, Reason, Residency, Role, Route};
 
 use crate::identify::Identified;
 use crate::load::Work;
+use crate::pull::Handle;
 use crate::registry::Node;
 use crate::state::AppState;
 
@@ -32,6 +34,9 @@ pub(crate) enum Target {
     Replica(Arc<Node>),
     /// A P (chosen per attempt by [`prefill_node`]) prefills, this node decodes.
     Pd(Arc<Node>),
+    /// A P reads the conversation's KV back from this node's pin (the
+    /// handle, used once), prefills the new tokens, and this node decodes.
+    Pull(Arc<Node>, Box<Handle>),
     /// This node computes the whole prompt itself: no P can prefill (or the
     /// KV protocol has none).
     Direct(Arc<Node>),
@@ -51,6 +56,8 @@ impl Plan {
             Target::Replica(_) if i.session_on_replica => (i.n_in, 0),
             Target::Pd(_) if moves_kv => (0, u64::from(whole) * kv_bytes_per_token),
             Target::Pd(_) => (0, 0),
+            // D already holds the context; only the new tokens' KV comes back.
+            Target::Pull(..) => (0, u64::from(i.n_in) * kv_bytes_per_token),
             Target::Replica(_) | Target::Direct(_) | Target::Unavailable(_) => (whole, 0),
         };
         Work {
@@ -60,11 +67,20 @@ impl Plan {
         }
     }
 
-    /// What the plan's prefill puts on its P: the whole prompt.
-    pub fn prefill_work(&self) -> Work {
-        Work {
-            prompt_tokens: self.input.n_in.saturating_add(self.input.n_ctx),
-            ..Work::default()
+    /// What the plan's prefill puts on its P: the whole prompt, or on the
+    /// pull path the new tokens (and the context's KV read from D).
+    pub fn prefill_work(&self, kv_bytes_per_token: u64) -> Work {
+        let i = &self.input;
+        match &self.target {
+            Target::Pull(_, h) => Work {
+                prompt_tokens: i.n_in,
+                kv_bytes: u64::from(h.tokens) * kv_bytes_per_token,
+                ..Work::default()
+            },
+            _ => Work {
+                prompt_tokens: i.n_in.saturating_add(i.n_ctx),
+                ..Work::default()
+            },
         }
     }
 }
@@ -73,7 +89,11 @@ impl Target {
     /// The node that decodes (and so holds the request's room), if any.
     pub fn decoder(&self) -> Option<&Arc<Node>> {
         match self {
-            Target::Local(n) | Target::Replica(n) | Target::Pd(n) | Target::Direct(n) => Some(n),
+            Target::Local(n)
+            | Target::Replica(n)
+            | Target::Pd(n)
+            | Target::Pull(n, _)
+            | Target::Direct(n) => Some(n),
             Target::Unavailable(_) => None,
         }
     }
@@ -105,6 +125,10 @@ pub(crate) fn plan(
         d_local_capable: holder.as_ref().is_some_and(|n| n.role.local_capable()),
         replica_share: st.replica_share(),
         session_on_replica: holder.as_ref().is_some_and(|n| n.role == Role::R),
+        pull_ready: st.cfg.bidirectional_kv_xfer
+            && holder
+                .as_ref()
+                .is_some_and(|n| st.pulls.ready(&id.conv, (n.id, n.load.epoch()), now)),
     };
     let route = st.engine.decide(&input)?;
     st.metrics.decision.observe(started.elapsed().as_secs_f64());
@@ -113,7 +137,7 @@ pub(crate) fn plan(
         let (c, w, q) = table.describe(s.cell_at);
         (c.to_owned(), w.to_owned(), q)
     });
-    let plan = placed(st, route, input, holder, &[]);
+    let plan = placed(st, route, input, holder, &id.conv, &[]);
     let route = plan.route;
     st.record_decision(route.path, route.reason, cell);
     tracing::debug!(conv = %id.conv, turn = f.turn, path = route.path.as_str(), reason = route.reason.as_str(), "route");
@@ -161,15 +185,20 @@ pub(crate) fn after_failure(
         d_available: false,
         ..before.input
     };
-    let route = if before.route.path == Path::Local {
-        st.engine.decide(&input)?
-    } else {
-        Route {
+    let route = match before.route.path {
+        Path::Local => st.engine.decide(&input)?,
+        // The first P may have read D's pin already: the retry prefills it all.
+        Path::Pull => Route {
+            path: Path::Pd,
             reason: Reason::NodeFailed,
             ..before.route
-        }
+        },
+        _ => Route {
+            reason: Reason::NodeFailed,
+            ..before.route
+        },
     };
-    let plan = placed(st, route, input, None, &[failed.id]);
+    let plan = placed(st, route, input, None, "", &[failed.id]);
     if matches!(plan.target, Target::Unavailable(_)) {
         return Ok(None);
     }
@@ -186,7 +215,7 @@ pub(crate) fn without_prefill(st: &AppState, before: &Plan) -> Plan {
     };
     st.record_decision(route.path, route.reason, None);
     let target = match &before.target {
-        Target::Pd(d) => Target::Direct(Arc::clone(d)),
+        Target::Pd(d) | Target::Pull(d, _) => Target::Direct(Arc::clone(d)),
         _ => Target::Unavailable("no healthy prefill node"),
     };
     Plan {
@@ -198,17 +227,42 @@ pub(crate) fn without_prefill(st: &AppState, before: &Plan) -> Plan {
 
 /// A route on its nodes: the session's node where it can serve, else the
 /// least loaded node of the path's roles, never one in `exclude`. A pd path
-/// without an available P runs direct on its D (`p_unavailable`).
+/// without an available P runs direct on its D (`p_unavailable`); a pull
+/// takes the conversation's handle, or is a pd turn when it raced away.
 fn placed(
     st: &AppState,
     mut route: Route,
     input: DecisionInput,
     holder: Option<Arc<Node>>,
+    conv: &str,
     exclude: &[NodeId],
 ) -> Plan {
     let now = st.now_ms();
     let least_loaded = |roles: &[Role]| st.registry.least_loaded(roles, exclude, now);
     let usable = |n: &Arc<Node>| n.available(now) && !exclude.contains(&n.id);
+    if route.path == Path::Pull {
+        let pin = holder
+            .as_ref()
+            .filter(|n| usable(n) && prefill_node(st, &[]).is_some())
+            .and_then(|n| {
+                st.pulls
+                    .take(conv, (n.id, n.load.epoch()), now)
+                    .map(|h| (n, h))
+            });
+        match pin {
+            Some((d, h)) => {
+                return Plan {
+                    route,
+                    input,
+                    target: Target::Pull(Arc::clone(d), Box::new(h)),
+                }
+            }
+            None => {
+                route.path = Path::Pd;
+                route.reason = Reason::NoPullHandle;
+            }
+        }
+    }
     let target = match route.path {
         Path::Local => holder.filter(|n| !exclude.contains(&n.id)).map_or(
             Target::Unavailable("the session's decode node is gone"),
@@ -221,7 +275,7 @@ fn placed(
                 Target::Unavailable("no healthy replica node"),
                 Target::Replica,
             ),
-        Path::Pd => match holder
+        Path::Pd | Path::Pull => match holder
             .filter(|n| n.role.decodes() && usable(n))
             .or_else(|| least_loaded(&[Role::D, Role::PD]))
         {

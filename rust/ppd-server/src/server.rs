@@ -165,6 +165,17 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         }
     }
     export_residency(&st);
+    let pinned = st.pulls.pinned(st.now_ms());
+    for (figure, v) in [
+        ("handles", pinned.handles),
+        ("blocks", pinned.blocks),
+        ("tokens", pinned.tokens),
+    ] {
+        st.metrics
+            .pinned
+            .get_or_create(&crate::metrics::FigureLabel { figure })
+            .set(i64::try_from(v).unwrap_or(i64::MAX));
+    }
     (
         [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
         st.metrics.encode(),

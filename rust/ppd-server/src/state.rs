@@ -19,6 +19,7 @@ use crate::admission::Admission;
 use crate::config::{self, RouterConfig, Settings};
 use crate::connector::{self, KvConnector};
 use crate::metrics::Metrics;
+use crate::pull::PullHandles;
 use crate::registry::{BreakerConfig, NodeLimits, Registry, Source};
 use crate::ServerError;
 
@@ -26,7 +27,8 @@ use crate::ServerError;
 #[derive(Default)]
 pub struct DecisionStats {
     pub by_path_reason: HashMap<(Path, Reason), u64>,
-    pub by_cell: HashMap<(String, String, u64), [u64; 3]>,
+    /// Decisions per cell, by path in [`Path::ALL`] order.
+    pub by_cell: HashMap<(String, String, u64), [u64; 4]>,
 }
 
 #[derive(Serialize)]
@@ -37,7 +39,12 @@ pub struct CellCount {
     pub pd: u64,
     pub local: u64,
     pub replica: u64,
+    pub pull: u64,
 }
+
+/// Memory the pull path's handles may take in the router (a handle names a
+/// D's pin: ~100 bytes plus 4 per block id).
+const PULL_HANDLES_MAX_BYTES: usize = 64 << 20;
 
 pub struct AppState {
     pub cfg: RouterConfig,
@@ -59,6 +66,8 @@ pub struct AppState {
     /// Renders requests into node token ids for exact residency (`None`: approximate only).
     pub renderer: Option<Arc<dyn PromptRenderer>>,
     pub stats: Mutex<DecisionStats>,
+    /// What bidirectional D nodes pin for the pull path, per conversation.
+    pub(crate) pulls: PullHandles,
     /// Model entries of `/v1/models`, gathered from the nodes.
     pub models: ArcSwap<Vec<serde_json::Value>>,
     started: Instant,
@@ -120,6 +129,7 @@ impl AppState {
             counter,
             renderer,
             stats: Mutex::new(DecisionStats::default()),
+            pulls: PullHandles::new(PULL_HANDLES_MAX_BYTES),
             models: ArcSwap::from_pointee(Vec::new()),
             started: Instant::now(),
             started_wall_ms,
@@ -171,12 +181,10 @@ impl AppState {
         let mut s = self.stats.lock();
         *s.by_path_reason.entry((path, reason)).or_insert(0) += 1;
         if let Some((c, w, q)) = cell {
-            let e = s.by_cell.entry((c, w, q.to_bits())).or_insert([0; 3]);
-            e[match path {
-                Path::Pd => 0,
-                Path::Local => 1,
-                Path::Replica => 2,
-            }] += 1;
+            let e = s.by_cell.entry((c, w, q.to_bits())).or_insert([0; 4]);
+            if let Some(i) = Path::ALL.iter().position(|p| *p == path) {
+                e[i] += 1;
+            }
         }
     }
 
@@ -192,6 +200,7 @@ impl AppState {
                 pd: n[0],
                 local: n[1],
                 replica: n[2],
+                pull: n[3],
             })
             .collect();
         out.sort_by(|a, b| {

@@ -7,12 +7,14 @@ pub mod fraction;
 mod local;
 mod pd;
 pub mod ppd;
+mod pull;
 mod replica;
 
 pub use fraction::FractionPolicy;
 pub use local::LocalPolicy;
 pub use pd::PdPolicy;
 pub use ppd::PpdPolicy;
+pub use pull::PullPolicy;
 pub use replica::ReplicaPolicy;
 
 use crate::error::Error;
@@ -28,13 +30,15 @@ pub trait Policy: Send + Sync {
     }
 }
 
-/// The policies one engine can run, by name: `pd`, `local`, `fraction:X`, `replica`, `ppd`.
+/// The policies one engine can run, by name: `pd`, `local`, `pull`, `fraction:X`, `replica`, `ppd`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum PolicyKind {
     /// x ≡ 0: Turn 2+ always re-enters through P.
     Pd,
     /// x ≡ 1: Turn 2+ always append-prefills on the session's pD.
     Local,
+    /// Turn 2+ always through P reading D's KV back (for tests and comparisons).
+    Pull,
     /// A reproducible share x of Turn 2+ conversations goes local.
     Fraction(f64),
     /// Every request to a replica.
@@ -49,12 +53,13 @@ impl PolicyKind {
         match s {
             "pd" | "x0" => Ok(PolicyKind::Pd),
             "local" | "x1" => Ok(PolicyKind::Local),
+            "pull" => Ok(PolicyKind::Pull),
             "replica" => Ok(PolicyKind::Replica),
             "ppd" => Ok(PolicyKind::Ppd),
             _ => {
                 let x = s.strip_prefix("fraction:").ok_or_else(|| {
                     Error::Config(format!(
-                        "unknown policy {s:?}; expected pd, local, fraction:X, replica or ppd"
+                        "unknown policy {s:?}; expected pd, local, pull, fraction:X, replica or ppd"
                     ))
                 })?;
                 let x: f64 = x.parse().map_err(|_| {
@@ -74,6 +79,7 @@ impl PolicyKind {
         match self {
             PolicyKind::Pd => Box::new(PdPolicy),
             PolicyKind::Local => Box::new(LocalPolicy),
+            PolicyKind::Pull => Box::new(PullPolicy),
             PolicyKind::Fraction(x) => Box::new(FractionPolicy::new(x)),
             PolicyKind::Replica => Box::new(ReplicaPolicy),
             PolicyKind::Ppd => Box::new(PpdPolicy),
@@ -100,6 +106,7 @@ impl std::fmt::Display for PolicyKind {
         match self {
             PolicyKind::Pd => write!(f, "pd"),
             PolicyKind::Local => write!(f, "local"),
+            PolicyKind::Pull => write!(f, "pull"),
             PolicyKind::Fraction(x) => write!(f, "fraction:{x}"),
             PolicyKind::Replica => write!(f, "replica"),
             PolicyKind::Ppd => write!(f, "ppd"),
@@ -116,6 +123,7 @@ mod tests {
         for s in [
             "pd",
             "local",
+            "pull",
             "replica",
             "ppd",
             "fraction:0.5",

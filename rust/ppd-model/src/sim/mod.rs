@@ -162,6 +162,11 @@ struct Conv {
     context: u32,
 }
 
+/// Whether a conversation's last turn left its KV on a D (not a replica).
+fn c_d_holds(c: &Conv) -> bool {
+    c.d.is_some() && !c.on_replica
+}
+
 #[derive(Debug, Clone)]
 enum Ext {
     Arrive(u32),
@@ -294,6 +299,7 @@ impl<'a> Sim<'a> {
         prompt: u32,
         out: u32,
         kind: Kind,
+        remote_prefix: u32,
     ) {
         self.next_id += 1;
         let c = &self.convs[conv as usize];
@@ -316,7 +322,7 @@ impl<'a> Sim<'a> {
             prompt_len: prompt,
             max_tokens: out,
             kind,
-            remote_prefix: 0,
+            remote_prefix,
             pin_ms: None,
         };
         let at = t + self.p.api.request_overhead_ms;
@@ -348,6 +354,9 @@ impl<'a> Sim<'a> {
         input.session_on_replica = c.on_replica;
         input.d_local_capable = c.d.is_some_and(|d| self.roles[d].local_capable());
         input.replica_share = self.replica_share;
+        // Every D keeps a conversation's blocks for a pull (bidirectional
+        // transfer with whole answers); the pin's memory is not modelled.
+        input.pull_ready = turn > 1 && c_d_holds(&self.convs[conv as usize]);
         let route = self.router.decide(&input)?;
         if turn > 1 {
             self.decided2 += 1;
@@ -372,15 +381,15 @@ impl<'a> Sim<'a> {
                 let c = &mut self.convs[conv as usize];
                 c.on_replica = true;
                 c.d = Some(node);
-                self.submit_at(t, node, conv, Stage::Final, prompt, n_out, Kind::Local);
+                self.submit_at(t, node, conv, Stage::Final, prompt, n_out, Kind::Local, 0);
             }
             Path::Local => {
                 self.local += 1;
                 let node = self.convs[conv as usize].d.unwrap_or(self.ds[0]);
                 let t = t + self.p.api.local_path_extra_ms;
-                self.submit_at(t, node, conv, Stage::Final, prompt, n_out, Kind::Local);
+                self.submit_at(t, node, conv, Stage::Final, prompt, n_out, Kind::Local, 0);
             }
-            Path::Pd => {
+            Path::Pd | Path::Pull => {
                 if self.ps.is_empty() || self.ds.is_empty() {
                     return Err(Error::Config(format!(
                         "deployment {} needs P and D nodes for the pd path",
@@ -393,6 +402,9 @@ impl<'a> Sim<'a> {
                     _ => Self::pick(&self.ds, &mut self.rr_d),
                 };
                 self.convs[conv as usize].d = Some(d);
+                // Pull: P reads the context D holds over its link, then
+                // computes only the new tokens.
+                let remote = if route.path == Path::Pull { n_ctx } else { 0 };
                 self.submit_at(
                     t,
                     p,
@@ -401,6 +413,7 @@ impl<'a> Sim<'a> {
                     prompt,
                     1,
                     Kind::RemoteDecode,
+                    remote,
                 );
             }
         }
@@ -541,6 +554,7 @@ impl<'a> Sim<'a> {
                                 prompt,
                                 n_out,
                                 Kind::RemotePrefill,
+                                0,
                             );
                         }
                         Stage::Final => {

@@ -32,6 +32,19 @@ pub(crate) trait KvConnector: Send + Sync {
     /// The field of P's body that asks P to hold the KV for D, if the protocol has one.
     fn prefill_edit(&self) -> Option<Edit<'static>>;
 
+    /// The field of P's body that also makes P read the conversation's KV
+    /// back from D's pin (`prefill_params` of a [`crate::pull::Handle`]), if
+    /// the protocol can (NIXL with bidirectional transfer).
+    fn pull_edit(&self, _prefill_params: &str) -> Option<Edit<'static>> {
+        None
+    }
+
+    /// The field of a body computed on D alone (local) that asks a
+    /// bidirectional D to pin what it computes for a later pull.
+    fn pin_edit(&self) -> Option<Edit<'static>> {
+        None
+    }
+
     /// From P's successful answer, the field of D's body that hands D the KV.
     fn handoff(&self, answer: &[u8]) -> Result<Option<Edit<'static>>, HandoffError>;
 
@@ -60,11 +73,12 @@ pub(crate) fn build(protocol: KvProtocol) -> Box<dyn KvConnector> {
 }
 
 /// P's body: the client's request as a one-token, non-streamed prefill, plus
-/// the connector's own field.
+/// the connector's own field (which, with `pull`, also names D's pin to read).
 pub(crate) fn prefill_body(
     connector: &dyn KvConnector,
     text: &str,
     view: &RequestView<'_>,
+    pull: Option<&str>,
 ) -> Result<String, serde_json::Error> {
     let mut edits: Vec<Edit<'_>> = drop_router_fields(view).collect();
     edits.extend([
@@ -76,7 +90,10 @@ pub(crate) fn prefill_body(
     if view.max_completion_tokens.is_some() {
         edits.push(Edit::Set("max_completion_tokens", Cow::Borrowed("1")));
     }
-    edits.extend(connector.prefill_edit());
+    edits.extend(
+        pull.and_then(|params| connector.pull_edit(params))
+            .or_else(|| connector.prefill_edit()),
+    );
     rewrite(text, &edits)
 }
 
@@ -87,7 +104,7 @@ mod tests {
 
     fn prefill(protocol: KvProtocol, body: &str) -> serde_json::Value {
         let c = build(protocol);
-        let out = prefill_body(c.as_ref(), body, &parse_request(body).unwrap()).unwrap();
+        let out = prefill_body(c.as_ref(), body, &parse_request(body).unwrap(), None).unwrap();
         serde_json::from_str(&out).unwrap()
     }
 
@@ -125,6 +142,33 @@ mod tests {
         assert!(prefill(KvProtocol::P2pNccl, body)
             .get("kv_transfer_params")
             .is_none());
+    }
+
+    #[test]
+    fn a_pull_names_ds_pin_only_where_the_protocol_can_read_it() {
+        let body = r#"{"kv_transfer_params":{"remote_host":"evil"},"messages":[{"role":"user","content":"x"}]}"#;
+        let pin = r#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_host":"d","remote_block_ids":[1]}"#;
+        let with = |protocol| {
+            let c = build(protocol);
+            let out =
+                prefill_body(c.as_ref(), body, &parse_request(body).unwrap(), Some(pin)).unwrap();
+            serde_json::from_str::<serde_json::Value>(&out).unwrap()
+        };
+        let v = with(KvProtocol::Nixl);
+        assert_eq!(v["kv_transfer_params"]["remote_host"], "d");
+        assert_eq!(
+            v["kv_transfer_params"]["remote_block_ids"],
+            serde_json::json!([1])
+        );
+        assert!(with(KvProtocol::P2pNccl)
+            .get("kv_transfer_params")
+            .is_none());
+        let nixl = build(KvProtocol::Nixl);
+        assert!(matches!(
+            nixl.pin_edit(),
+            Some(Edit::Set("kv_transfer_params", _))
+        ));
+        assert!(build(KvProtocol::None).pin_edit().is_none());
     }
 
     #[test]

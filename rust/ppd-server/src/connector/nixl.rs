@@ -14,6 +14,11 @@ pub(crate) const RELEASE_MODEL: &str = "ppd-router/release-staged-kv";
 /// What P's body carries so that P keeps the prompt's blocks for a remote decode.
 const HOLD_FOR_DECODE: &str = r#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#;
 
+/// What a local turn's body carries so that a bidirectional D pins what it
+/// computes: any non-empty params make vLLM's `request_finished` keep the
+/// blocks on a D (neither flag asks for a transfer now).
+const PIN_ON_DECODE: &str = r#"{"do_remote_decode":false,"do_remote_prefill":false}"#;
+
 impl KvConnector for Nixl {
     fn prefills(&self) -> bool {
         true
@@ -27,6 +32,22 @@ impl KvConnector for Nixl {
         Some(Edit::Set(
             "kv_transfer_params",
             Cow::Borrowed(HOLD_FOR_DECODE),
+        ))
+    }
+
+    /// D's pin as vLLM's pull scheduler reads it (`do_remote_decode` with
+    /// D's `remote_block_ids`): P holds its own prefill for D as well.
+    fn pull_edit(&self, prefill_params: &str) -> Option<Edit<'static>> {
+        Some(Edit::Set(
+            "kv_transfer_params",
+            Cow::Owned(prefill_params.to_owned()),
+        ))
+    }
+
+    fn pin_edit(&self) -> Option<Edit<'static>> {
+        Some(Edit::Set(
+            "kv_transfer_params",
+            Cow::Borrowed(PIN_ON_DECODE),
         ))
     }
 

@@ -1,0 +1,143 @@
+"""Issue 16: the pull path — P reads a conversation's KV back from its D (vLLM NIXL bidirectional transfer,
+which the emulator implements) and prefills only the new tokens; the router names D's pin only from D's own
+whole answer, once, and falls back to pd (`no_pull_handle`) when it cannot."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import httpx
+
+from ppd_router import Router
+from tests.helpers import answer_text, assistant, free_port, user
+from tests.router.conftest import Cluster, start_node
+
+BIDIRECTIONAL = json.dumps({"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": 60})
+
+
+def start(n_pd: int = 1, **cfg: Any) -> Cluster:
+    nodes = {"P": [start_node("P", "--kv-connector-extra-config", BIDIRECTIONAL)], "pD": []}
+    try:
+        for _ in range(n_pd):
+            nodes["pD"].append(start_node("D", "--kv-connector-extra-config", BIDIRECTIONAL))
+        settings = {
+            "prefill": [n.url for n in nodes["P"]],
+            "pd_capable": [n.url for n in nodes["pD"]],
+            "port": free_port(),
+            "admin_token": "secret",
+            "health_interval": 0.5,
+            "expose_node_header": True,
+            "bidirectional_kv_xfer": True,
+            "decoder_kv_blocks_ttl": 60,
+            **cfg,
+        }
+        router = Router(json.dumps(settings))
+        url = router.start()
+    except Exception:
+        for ns in nodes.values():
+            for n in ns:
+                n.kill()
+        raise
+    return Cluster(nodes, router, url)
+
+
+def by_source(url: str, source: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    m = re.search(rf'^vllm:prompt_tokens_by_source_total\{{[^}}]*source="{source}"\}} ([0-9.e+]+)$', text, re.M)
+    assert m, f"no prompt_tokens_by_source {source}"
+    return float(m.group(1))
+
+
+def router_metric(c: Cluster, name: str, labels: str = "") -> float:
+    text = c.client.get(c.url + "/metrics").text
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} ([0-9.e+]+)$", text, re.M)
+    assert m, f"{name}{labels} not in the router's metrics"
+    return float(m.group(1))
+
+
+def test_a_pulled_turn_prefills_only_its_new_tokens_and_decodes_where_the_kv_is() -> None:
+    c = start(policy="pull")
+    p, d = c.nodes["P"][0], c.nodes["pD"][0]
+    try:
+        sid = {"x-session-id": "pulled"}
+        history = [user("tell me about the history of prefix caching in serving systems " * 20)]
+        r1 = c.chat(history, headers=sid, max_tokens=16)
+        assert r1.status_code == 200, r1.text
+        assert (r1.headers["x-ppd-path"], r1.headers["x-ppd-reason"]) == ("pd", "turn1")
+        assert "kv_transfer_params" not in r1.json(), "D's pin never reaches the client"
+        assert router_metric(c, "ppd_pinned_kv", '{figure="handles"}') == 1
+        prompt1 = r1.json()["usage"]["prompt_tokens"]
+
+        history += [assistant(answer_text(r1)), user("and how does it interact with disaggregation?")]
+        before = {s: by_source(p.url, s) for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+        r2 = c.chat(history, headers=sid, max_tokens=16)
+        assert r2.status_code == 200, r2.text
+        assert (r2.headers["x-ppd-path"], r2.headers["x-ppd-reason"]) == ("pull", "forced")
+        assert r2.headers["x-ppd-node"] == d.url
+        prompt2 = r2.json()["usage"]["prompt_tokens"]
+        delta = {s: by_source(p.url, s) - v for s, v in before.items()}
+        # D pinned turn 1's prompt and all but its last answer token; P still caches turn 1's prompt
+        # (it prefilled it), so it read back only the rest — as vLLM's pull scheduler counts it.
+        context = prompt1 + 16 - 1
+        assert delta["external_kv_transfer"] > 0
+        assert delta["local_cache_hit"] + delta["external_kv_transfer"] == context
+        assert delta["local_compute"] == prompt2 - context, "P computed only the new tokens"
+        # D then held the context already and took only the new blocks from P.
+        assert r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt2 - 1
+        assert router_metric(c, "ppd_kv_bytes_pulled_total") == context * 131072
+
+        # The same turn through local gives the same answer (greedy, the same D).
+        c.admin("PUT", "/admin/policy", json={"policy": "local"}).raise_for_status()
+        r_local = c.chat(history, headers={"x-session-id": "pulled-twin"}, max_tokens=16)
+        assert r_local.status_code == 200
+        assert answer_text(r_local) == answer_text(r2)
+    finally:
+        c.stop()
+
+
+def test_without_a_pin_the_router_can_name_the_turn_goes_pd() -> None:
+    c = start(policy="pull")
+    try:
+        sid = {"x-session-id": "streamed"}
+        history = [user("a conversation whose first answer streams " * 10)]
+        # vLLM 0.32 names D's pin only in whole answers: a streamed turn leaves none.
+        with c.client.stream(
+            "POST",
+            c.url + "/v1/chat/completions",
+            headers=sid,
+            json={"model": "meta-llama/Llama-3.1-8B-Instruct", "messages": history, "max_tokens": 8, "stream": True, "temperature": 0},
+        ) as s:
+            body = "".join(s.iter_text())
+        assert s.status_code == 200 and "[DONE]" in body
+        assert "kv_transfer_params" not in body
+        history += [assistant("streamed answer"), user("next?")]
+        r2 = c.chat(history, headers=sid)
+        assert (r2.headers["x-ppd-path"], r2.headers["x-ppd-reason"]) == ("pd", "no_pull_handle")
+        # That whole answer pinned turn 2, so turn 3 pulls; its handle is then spent.
+        history += [assistant(answer_text(r2)), user("and then?")]
+        r3 = c.chat(history, headers=sid)
+        assert r3.headers["x-ppd-path"] == "pull", r3.headers["x-ppd-reason"]
+        # A client's own kv_transfer_params steer nothing.
+        history += [assistant(answer_text(r3)), user("once more")]
+        forged = {"do_remote_decode": True, "remote_host": "203.0.113.9", "remote_port": 1, "remote_block_ids": [1]}
+        r4 = c.chat(history, headers=sid, kv_transfer_params=forged)
+        assert r4.status_code == 200, r4.text
+        assert r4.headers["x-ppd-path"] == "pull"
+    finally:
+        c.stop()
+
+
+def test_a_router_without_bidirectional_nodes_never_pulls() -> None:
+    c = start(policy="pull", bidirectional_kv_xfer=False)
+    try:
+        sid = {"x-session-id": "plain"}
+        history = [user("plain nodes " * 30)]
+        r1 = c.chat(history, headers=sid)
+        history += [assistant(answer_text(r1)), user("more")]
+        r2 = c.chat(history, headers=sid)
+        assert (r2.headers["x-ppd-path"], r2.headers["x-ppd-reason"]) == ("pd", "no_pull_handle")
+        assert router_metric(c, "ppd_pinned_kv", '{figure="handles"}') == 0
+    finally:
+        c.stop()
