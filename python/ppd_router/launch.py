@@ -124,14 +124,26 @@ def cpu_placement(roles: Sequence[str], cpus: Sequence[int]) -> list[int]:
     return [placed[i] if i in placed else next(shared) for i in range(len(roles))]
 
 
-def kv_transfer_config(role: str, device: str) -> Optional[dict[str, Any]]:
+def kv_transfer_config(
+    role: str, device: str, decoder_kv_blocks_ttl: Optional[float] = None
+) -> Optional[dict[str, Any]]:
+    """The NIXL connector config of a node; with ``decoder_kv_blocks_ttl`` (seconds), vLLM's bidirectional
+    transfer, which the pull path needs: D pins a finished turn's blocks that long and a P may read them back,
+    so every node both sends and receives (``kv_both``)."""
     if role not in KV_ROLE:
         return None
-    cfg: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": KV_ROLE[role]}
+    bidirectional = decoder_kv_blocks_ttl is not None
+    cfg: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": "kv_both" if bidirectional else KV_ROLE[role]}
+    extra: dict[str, Any] = {}
     if device == "cpu":
         # KV lives in host memory; num_threads 0 keeps NIXL from starting worker threads of its own.
         cfg["kv_buffer_device"] = "cpu"
-        cfg["kv_connector_extra_config"] = {"num_threads": 0}
+        extra["num_threads"] = 0
+    if bidirectional:
+        extra["bidirectional_kv_xfer"] = True
+        extra["decoder_kv_blocks_ttl"] = decoder_kv_blocks_ttl
+    if extra:
+        cfg["kv_connector_extra_config"] = extra
     return cfg
 
 
@@ -144,6 +156,7 @@ def vllm_command(
     served_model_name: str,
     extra_args: Sequence[str] = (),
     kv_events: bool = True,
+    decoder_kv_blocks_ttl: Optional[float] = None,
 ) -> list[str]:
     cmd = [
         python,
@@ -160,7 +173,7 @@ def vllm_command(
         "--enable-prefix-caching",
         "--enable-prompt-tokens-details",
     ]
-    kv = kv_transfer_config(plan.role, device)
+    kv = kv_transfer_config(plan.role, device, decoder_kv_blocks_ttl)
     if kv is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
     if kv_events:
@@ -292,6 +305,7 @@ class VllmCluster:
         served_model_name: str = "",
         kv_events: bool = True,
         cpu_kvcache_gib: int = 1,
+        decoder_kv_blocks_ttl: Optional[float] = None,
     ) -> None:
         if not Path(model).exists() and _looks_like_path(model):
             raise LaunchError(f"--model {model}: no such directory (make one with `ppd-router make-tiny-model DIR`)")
@@ -308,6 +322,8 @@ class VllmCluster:
         self.served_model_name = served_model_name or Path(model).name
         self.kv_events = kv_events
         self.cpu_kvcache_gib = cpu_kvcache_gib
+        # Bidirectional NIXL transfer (the pull path) when set: seconds a D pins a turn.
+        self.decoder_kv_blocks_ttl = decoder_kv_blocks_ttl
         self.nodes: list[RunningNode] = []
 
     def start(self) -> None:
@@ -325,6 +341,7 @@ class VllmCluster:
             served_model_name=self.served_model_name,
             extra_args=self.vllm_args,
             kv_events=self.kv_events,
+            decoder_kv_blocks_ttl=self.decoder_kv_blocks_ttl,
         )
         env = vllm_env(plan, device=self.device, cpu_kvcache_gib=self.cpu_kvcache_gib)
         with open(log_path, mode) as log:
@@ -416,6 +433,7 @@ class VllmCluster:
                         served_model_name=self.served_model_name,
                         extra_args=self.vllm_args,
                         kv_events=self.kv_events,
+                        decoder_kv_blocks_ttl=self.decoder_kv_blocks_ttl,
                     ),
                     "env": vllm_env(plan, device=self.device, base={}, cpu_kvcache_gib=self.cpu_kvcache_gib),
                 }
@@ -507,6 +525,9 @@ def _launch(args: argparse.Namespace) -> int:
     )
     extra: dict[str, Any] = dict(cluster.router_nodes())
     settings = settings_of(args, extra)
+    if settings["bidirectional_kv_xfer"]:
+        # The nodes pin as long as the router expects them to.
+        cluster.decoder_kv_blocks_ttl = settings["decoder_kv_blocks_ttl"]
     tokenizer = Path(args.model) / "tokenizer.json"
     if settings["tokenizer"] is None and tokenizer.exists():
         # exact n_in / n_ctx for the decision, not the word-rule estimate

@@ -162,6 +162,28 @@ def test_prefill_produces_and_decode_consumes_kv_over_nixl() -> None:
     assert cpu is not None and cpu["kv_buffer_device"] == "cpu"
 
 
+def test_the_pull_path_makes_every_node_a_bidirectional_nixl_peer() -> None:
+    for role in ("P", "D", "pD"):
+        cfg = kv_transfer_config(role, "cpu", decoder_kv_blocks_ttl=90.0)
+        assert cfg is not None and cfg["kv_role"] == "kv_both"
+        assert cfg["kv_connector_extra_config"] == {"num_threads": 0, "bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": 90.0}
+    assert "kv_connector_extra_config" not in (kv_transfer_config("P", "cuda") or {})
+    assert kv_transfer_config("R", "cpu", decoder_kv_blocks_ttl=90.0) is None
+
+
+def test_dry_run_with_bidirectional_transfer_sets_the_routers_ttl_on_the_nodes(model_dir: Path) -> None:
+    r = subprocess.run(launch_cli("--model", str(model_dir), "--layout", "1P_1pD", "--device", "cuda", "--gpus", "0,1",
+                                  "--python", sys.executable, "--dry-run", "--policy", "pull",
+                                  "--bidirectional-kv-xfer", "--decoder-kv-blocks-ttl", "75"),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    for node in plan["nodes"]:
+        kv = json.loads(flag(node["command"], "--kv-transfer-config"))
+        assert kv["kv_connector_extra_config"] == {"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": 75.0}
+    assert plan["router"]["bidirectional_kv_xfer"] is True and plan["router"]["policy"] == "pull"
+
+
 def test_vllm_command_carries_the_role_flags_then_the_users() -> None:
     p, pd, r = plan_nodes(["P", "pD", "R"], device="cpu", base_port=9000, cpus=[0])
     cmd = vllm_command(pd, model="/m", python="/py", device="cpu", served_model_name="tiny",
