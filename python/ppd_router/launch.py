@@ -444,10 +444,15 @@ class VllmCluster:
         return out
 
     def router_nodes(self) -> dict[str, list[str]]:
-        """The router settings that point at these nodes: {"prefill": [...], "pd_capable": [...], ...}."""
+        """The router settings that point at these nodes: {"prefill": [...], "pd_capable": [...], ...}; a
+        decoding node's entry names where its KV events arrive (``URL;kv_events=tcp://...``, which the router
+        binds), so that the router knows exactly what it caches."""
         out: dict[str, list[str]] = {}
         for plan in self.plans:
-            out.setdefault(ROUTER_LIST[plan.role], []).append(plan.url)
+            spec = plan.url
+            if self.kv_events and plan.role in ("D", "pD"):
+                spec += f";kv_events=tcp://{plan.host}:{plan.kv_events_port}"
+            out.setdefault(ROUTER_LIST[plan.role], []).append(spec)
         return out
 
     def __enter__(self) -> VllmCluster:

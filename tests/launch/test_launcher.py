@@ -275,8 +275,9 @@ def test_healthy_nodes_are_timed_and_stopping_reaches_their_whole_process_group(
     with cluster:
         cluster.wait_healthy(timeout_s=60, progress=False)
         assert all(n.ready_s is not None and n.ready_s > 0 for n in cluster.nodes)
+        events = [f"tcp://127.0.0.1:{p.kv_events_port}" for p in cluster.plans[1:]]
         assert cluster.router_nodes() == {"prefill": [cluster.plans[0].url],
-                                          "pd_capable": [cluster.plans[1].url, cluster.plans[2].url]}
+                                          "pd_capable": [f"{p.url};kv_events={e}" for p, e in zip(cluster.plans[1:], events)]}
         assert wait_until(lambda: len(recorded_pids(tmp_path)) == 6)
         pids = recorded_pids(tmp_path)
         assert not any(gone(p) for p in pids)
@@ -370,7 +371,9 @@ def test_dry_run_prints_every_node_command_and_the_router_settings(tmp_path: Pat
     assert all(n["command"][-1] == "--enforce-eager" for n in plan["nodes"])
     assert plan["nodes"][2]["env"]["CUDA_VISIBLE_DEVICES"] == "6"
     assert plan["router"]["prefill"] == ["http://127.0.0.1:9300", "http://127.0.0.1:9301"]
-    assert plan["router"]["pd_capable"] == ["http://127.0.0.1:9302"] and plan["router"]["policy"] == "pd"
+    # The router binds where the decoding node publishes its KV events (base + 2000 + i).
+    assert plan["router"]["pd_capable"] == ["http://127.0.0.1:9302;kv_events=tcp://127.0.0.1:11302"]
+    assert plan["router"]["policy"] == "pd"
     assert not (tmp_path / "logs").exists()
 
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import httpx
 import pytest
@@ -30,6 +32,7 @@ BLOCK = 32  # --block-size below: vLLM's CPU backend needs a multiple of 32
 VLLM_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "8",
              "--block-size", str(BLOCK)]
 ADMIN = "tier-secret"
+AUTH = {"authorization": f"Bearer {ADMIN}"}
 HERE = Path(__file__).resolve().parent
 
 
@@ -104,19 +107,55 @@ class Tier:
         return {n.url: self.counters(n.url) for n in self.nodes.nodes if n.alive()}
 
 
-@pytest.fixture(scope="session")
-def tier(vllm_nodes: VllmCluster, tiny_model: Path) -> Iterator[Tier]:
-    settings = {**vllm_nodes.router_nodes(), "port": free_port(), "admin_token": ADMIN, "policy": "local",
-                "tokenizer": str(tiny_model / "tokenizer.json"), "health_interval": 0.5,
-                "request_timeout": 120, "expose_node_header": True}
-    router = Router(json.dumps(settings))
+@contextmanager
+def router_for(nodes: VllmCluster, tiny_model: Path, **settings: Any) -> Iterator[Tier]:
+    """A router in front of ``nodes`` with the tier's settings (and ``settings`` over them)."""
+    cfg = {**nodes.router_nodes(), "port": free_port(), "admin_token": ADMIN, "policy": "local",
+           "tokenizer": str(tiny_model / "tokenizer.json"), "health_interval": 0.5,
+           "request_timeout": 120, "expose_node_header": True, **settings}
+    router = Router(json.dumps(cfg))
     url = router.start()
-    t = Tier(vllm_nodes, router, url)
+    t = Tier(nodes, router, url)
     try:
         yield t
     finally:
         t.client.close()
         router.stop()
+
+
+@pytest.fixture(scope="session")
+def tier(vllm_nodes: VllmCluster, tiny_model: Path) -> Iterator[Tier]:
+    with router_for(vllm_nodes, tiny_model) as t:
+        yield t
+
+
+def wait_for(what: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.1)
+
+
+def residency(tier: Tier, messages: list[dict[str, str]]) -> dict[str, Any]:
+    """What the router's index says each node holds of ``messages`` (POST /admin/residency), by node URL."""
+    r = tier.client.post(tier.url + "/admin/residency", json={"messages": messages}, headers=AUTH)
+    assert r.status_code == 200, r.text
+    return {n["url"]: n for n in r.json()["nodes"]}
+
+
+def node_entry(tier: Tier, url: str) -> dict[str, Any]:
+    nodes = tier.client.get(tier.url + "/admin/nodes", headers=AUTH).json()["nodes"]
+    return next(n for n in nodes if n["url"] == url)
+
+
+def by_source(tier: Tier, url: str, source: str) -> float:
+    """vLLM's ``prompt_tokens_by_source`` of a node: local_compute, local_cache_hit or external_kv_transfer."""
+    text = tier.client.get(url + "/metrics").text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:prompt_tokens_by_source_total{") and f'source="{source}"' in line
+    )
 
 
 def delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], url: str, key: str) -> float:
@@ -136,4 +175,4 @@ def path_of(resp: httpx.Response) -> tuple[str, str, Optional[str]]:
     return resp.headers["x-ppd-path"], resp.headers["x-ppd-reason"], resp.headers.get("x-ppd-node")
 
 
-__all__ = ["Tier", "answer", "assistant", "block_floor", "conversation_start", "delta", "path_of", "user"]
+__all__ = ["Tier", "router_for", "wait_for", "residency", "node_entry", "by_source", "answer", "assistant", "block_floor", "conversation_start", "delta", "path_of", "user"]

@@ -1,13 +1,15 @@
-//! Criterion benches of the per-request core work: decide, and session lookup + update.
+//! Criterion benches of the per-request core work: decide (alone, and with the residency lookup of a Turn 2
+//! prompt in a node's block index), and session lookup + update.
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use ppd_core::catalog::{paper_workloads, PAPER_QPS};
 use ppd_core::identity::{conversation_id, features};
 use ppd_core::request::parse_request;
+use ppd_core::residency::{BlockIndex, KvEvent};
 use ppd_core::session::{NodeId, SessionConfig, SessionTable};
 use ppd_core::table::{Cell, Measurement, Table};
 use ppd_core::tokens::WordRule;
-use ppd_core::{DecisionEngine, DecisionInput, PolicyKind, Weights};
+use ppd_core::{DecisionEngine, DecisionInput, PolicyKind, Residency, Weights};
 use std::hint::black_box;
 
 fn table() -> Table {
@@ -68,6 +70,26 @@ fn bench(c: &mut Criterion) {
         })
     });
 
+    // A node holding 1,000 conversations of 2,048 tokens (128 blocks of 16 each, 128,000 blocks), and the
+    // next turn of one of them: 2,048 cached tokens and 64 new ones. One iteration chains the prompt's
+    // blocks, finds the resident prefix, and decides with it.
+    let (index, prompts) = node_index(1_000, 2_048, 16);
+    let mut scratch = Vec::new();
+    let mut j = 0usize;
+    c.bench_function("decide_with_residency", |b| {
+        b.iter(|| {
+            j = (j + 7) % prompts.len();
+            let tokens = &prompts[j];
+            let cached = index.cached_prefix_tokens(black_box(tokens), &mut scratch);
+            let input = DecisionInput {
+                conv_hash: j as u64,
+                residency: Residency::Cached(cached),
+                ..DecisionInput::turn(2, 64, 128, 2_048, 4.0)
+            };
+            black_box(engine.decide(black_box(&input)).unwrap())
+        })
+    });
+
     let sessions = SessionTable::new(SessionConfig::default()).unwrap();
     let ids: Vec<String> = (0..100_000).map(|i| format!("{i:032x}")).collect();
     for id in &ids {
@@ -98,6 +120,28 @@ fn bench(c: &mut Criterion) {
             black_box((id, f))
         })
     });
+}
+
+/// `conversations` stored prompts of `tokens` tokens in one node's index, and each one's next prompt
+/// (the same tokens and 64 new ones).
+pub fn node_index(conversations: u64, tokens: u64, block_size: u32) -> (BlockIndex, Vec<Vec<u64>>) {
+    let mut index = BlockIndex::default();
+    let mut prompts = Vec::new();
+    for c in 0..conversations {
+        let toks: Vec<u64> = (0..tokens).map(|t| (c << 20) | t).collect();
+        let blocks = tokens / u64::from(block_size);
+        let hashes: Vec<u64> = (0..blocks).map(|b| (c << 32) | (b + 1)).collect();
+        index.apply(&KvEvent::Stored {
+            hashes,
+            parent: None,
+            tokens: toks[..(blocks * u64::from(block_size)) as usize].to_vec(),
+            block_size,
+        });
+        let mut next = toks;
+        next.extend((0..64).map(|t| (c << 20) | (1 << 19) | t));
+        prompts.push(next);
+    }
+    (index, prompts)
 }
 
 criterion_group!(benches, bench);

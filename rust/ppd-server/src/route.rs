@@ -209,7 +209,13 @@ pub(crate) fn after_failure(
 /// Routes again after every P failed or went away: the pd path's D computes
 /// the whole prompt itself (`p_unavailable`).
 pub(crate) fn without_prefill(st: &AppState, before: &Plan) -> Plan {
+    // D computes it all: a pull without its P is a pd turn run direct.
     let route = Route {
+        path: if before.route.path == Path::Pull {
+            Path::Pd
+        } else {
+            before.route.path
+        },
         reason: Reason::PUnavailable,
         ..before.route
     };
