@@ -11,7 +11,7 @@
 //! the same block-aligned count vLLM reports as `cached_tokens`.
 
 use ahash::AHashMap;
-use xxhash_rust::xxh3::Xxh3;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// One KV event of a node, decoded (the node's own block hashes reduced to 64 bits).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,23 +43,36 @@ pub enum Applied {
     Cleared,
 }
 
+/// Seed of [`block_hash`] ("ppd_kv"; any fixed value).
+const SEED: u64 = 0x7070_645f_6b76;
+
 /// The chained hash of a block: its parent's chained hash and its tokens.
 pub fn block_hash(parent: u64, tokens: &[u64]) -> u64 {
-    let mut h = Xxh3::with_seed(0x7070_645f_6b76); // "ppd_kv": any fixed seed
-    h.update(&parent.to_le_bytes());
-    for t in tokens {
-        h.update(&t.to_le_bytes());
+    hash_into(&mut Vec::with_capacity(8 + 4 * tokens.len()), parent, tokens)
+}
+
+/// [`block_hash`] in one pass over a reused buffer. A token goes in as 4
+/// bytes (its two halves folded): exact for every tokenizer's ids, which fit
+/// in 32 bits, and half the bytes to hash — hashing is most of a lookup's
+/// cost (bench/results/core.md).
+fn hash_into(buf: &mut Vec<u8>, parent: u64, tokens: &[u64]) -> u64 {
+    buf.resize(8 + 4 * tokens.len(), 0);
+    let (head, rest) = buf.split_at_mut(8);
+    head.copy_from_slice(&parent.to_le_bytes());
+    for (dst, &t) in rest.chunks_exact_mut(4).zip(tokens) {
+        dst.copy_from_slice(&((t as u32) ^ ((t >> 32) as u32)).to_le_bytes());
     }
-    h.digest()
+    xxh3_64_with_seed(buf, SEED)
 }
 
 /// The chained hashes of `tokens`' full blocks (a trailing partial block has none, as in vLLM).
 pub fn chain(tokens: &[u64], block_size: u32, out: &mut Vec<u64>) {
     out.clear();
     let bs = block_size.max(1) as usize;
+    let mut buf = Vec::with_capacity(8 + 4 * bs);
     let mut parent = 0u64;
     for block in tokens.chunks_exact(bs) {
-        parent = block_hash(parent, block);
+        parent = hash_into(&mut buf, parent, block);
         out.push(parent);
     }
 }
@@ -76,9 +89,10 @@ pub struct BlockIndex {
 }
 
 impl BlockIndex {
-    /// Approximate memory of one cached block in the index: two hash-map
-    /// entries (16 + 12 bytes) at the maps' load factor, with control bytes.
-    pub const BYTES_PER_BLOCK: usize = 64;
+    /// Memory of one cached block in the index: two hash-map entries (16 +
+    /// 12 bytes) at the maps' load factor, with control bytes (measured 71
+    /// bytes over 1,000,000 blocks, bench/results/core.md).
+    pub const BYTES_PER_BLOCK: usize = 72;
 
     /// The block size of the node's events (0 until the first `Stored`).
     pub fn block_size(&self) -> u32 {
@@ -129,8 +143,9 @@ impl BlockIndex {
             },
         };
         self.block_size = bs;
+        let mut buf = Vec::with_capacity(8 + 4 * bs as usize);
         for (node_hash, block) in hashes.iter().zip(tokens.chunks_exact(bs as usize)) {
-            ours = block_hash(ours, block);
+            ours = hash_into(&mut buf, ours, block);
             // vLLM re-announces blocks a request reused from the cache: idempotent.
             if self.by_node_hash.insert(*node_hash, ours).is_none() {
                 *self.present.entry(ours).or_insert(0) += 1;
@@ -162,16 +177,34 @@ impl BlockIndex {
     /// Leading tokens of `tokens` this node holds, block-aligned (what vLLM
     /// would report as `cached_tokens` if the prompt came now). A prompt that
     /// is entirely cached still recomputes its last token, as vLLM does.
-    pub fn cached_prefix_tokens(&self, tokens: &[u64], scratch: &mut Vec<u64>) -> u32 {
+    /// Blocks are chained only up to the first one the node lacks; `buf` is
+    /// the hashing buffer, kept by the caller across calls.
+    pub fn cached_prefix_tokens(&self, tokens: &[u64], buf: &mut Vec<u8>) -> u32 {
         if self.block_size == 0 {
             return 0;
         }
-        chain(tokens, self.block_size, scratch);
         let bs = self.block_size as usize;
         // vLLM caps a hit at all tokens but the last (it must compute one to sample).
-        let blocks = self
-            .leading_blocks(scratch)
-            .min(tokens.len().saturating_sub(1) / bs);
+        let max_blocks = tokens.len().saturating_sub(1) / bs;
+        // Hash a group of blocks, then look the group up: the lookups (cache
+        // misses in a large index) overlap instead of waiting on each hash,
+        // and a miss ends the walk after at most one group.
+        const GROUP: usize = 16;
+        let mut group = [0u64; GROUP];
+        let mut parent = 0u64;
+        let mut blocks = 0;
+        for chunk in tokens[..max_blocks * bs].chunks(GROUP * bs) {
+            let n = chunk.len() / bs;
+            for (slot, block) in group.iter_mut().zip(chunk.chunks_exact(bs)) {
+                parent = hash_into(buf, parent, block);
+                *slot = parent;
+            }
+            let held = self.leading_blocks(&group[..n]);
+            blocks += held;
+            if held < n {
+                break;
+            }
+        }
         u32::try_from(blocks * bs).unwrap_or(u32::MAX)
     }
 }

@@ -98,8 +98,9 @@ impl NodeKv {
 
     /// Leading tokens of `tokens` the node caches (block-aligned, as vLLM counts a hit).
     pub fn cached_prefix_tokens(&self, tokens: &[u64]) -> u32 {
-        let mut scratch = Vec::with_capacity(tokens.len() / 16 + 1);
-        self.index.read().cached_prefix_tokens(tokens, &mut scratch)
+        // One block's bytes (parent + 16 tokens for vLLM's default block size); grown if larger.
+        let mut buf = Vec::with_capacity(8 + 8 * 16);
+        self.index.read().cached_prefix_tokens(tokens, &mut buf)
     }
 
     /// Blocks in the index.
