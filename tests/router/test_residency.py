@@ -149,3 +149,38 @@ def test_a_broken_publisher_is_counted_and_the_router_keeps_serving() -> None:
     finally:
         ctx.term()
         c.stop()
+
+
+def test_a_node_registered_at_run_time_is_subscribed_and_unsubscribed_with_it() -> None:
+    c, _ = start(n_pd=1, policy="local")
+    ep = f"tcp://127.0.0.1:{free_port()}"
+    late = start_node("D", "--kv-events-endpoint", ep)
+    try:
+        for attempt in range(2):
+            r = c.admin("POST", "/admin/nodes", json={"url": late.url, "role": "pD", "kv_events": ep})
+            assert r.status_code == 201, r.text
+            # The node's own turns (sent to it directly) reach the router as KV events once its
+            # publisher has connected (PUB/SUB drops what it publishes before that).
+            sent = [0]
+
+            def subscribed() -> bool:
+                sent[0] += 1
+                direct = httpx.post(
+                    late.url + "/v1/chat/completions",
+                    json={"model": "meta-llama/Llama-3.1-8B-Instruct",
+                          "messages": [user(f"late node {attempt} {sent[0]} " * 20)], "max_tokens": 4},
+                    timeout=10,
+                )
+                assert direct.status_code == 200, direct.text
+                time.sleep(0.2)
+                return bool(node_entry(c, late.url)["residency"]["mode"] == "exact")
+
+            wait_for(subscribed)
+            assert node_entry(c, late.url)["residency"]["blocks"] > 0
+            # Removed, the node's subscriber unbinds its endpoint: registering it again binds anew.
+            assert c.admin("DELETE", f"/admin/nodes?url={late.url}").status_code == 200
+        bad = c.admin("POST", "/admin/nodes", json={"url": late.url, "role": "pD", "kv_events": "udp://x:1"})
+        assert bad.status_code == 400 and "tcp://" in bad.text
+    finally:
+        late.kill()
+        c.stop()

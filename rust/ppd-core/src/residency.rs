@@ -48,7 +48,11 @@ const SEED: u64 = 0x7070_645f_6b76;
 
 /// The chained hash of a block: its parent's chained hash and its tokens.
 pub fn block_hash(parent: u64, tokens: &[u64]) -> u64 {
-    hash_into(&mut Vec::with_capacity(8 + 4 * tokens.len()), parent, tokens)
+    hash_into(
+        &mut Vec::with_capacity(8 + 4 * tokens.len()),
+        parent,
+        tokens,
+    )
 }
 
 /// [`block_hash`] in one pass over a reused buffer. A token goes in as 4

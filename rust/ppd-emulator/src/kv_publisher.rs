@@ -5,14 +5,15 @@
 //! endian), msgpack batch]` per scheduler step that produced events. So does
 //! this. Until the connection stands, batches are dropped with their sequence
 //! numbers spent, as a PUB socket drops them without a subscriber: the
-//! subscriber sees the gap.
+//! subscriber sees the gap. A subscriber that goes away (the router restarts,
+//! or drops the node and adds it again) is reconnected to, as pyzmq does.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use ppd_core::kv_events::encode_batch;
 use ppd_core::residency::KvEvent;
 use tokio::sync::mpsc;
-use zeromq::{Socket, SocketSend, ZmqMessage};
+use zeromq::{Socket, SocketEvent, SocketSend, ZmqMessage};
 
 /// Where a node publishes (vLLM's `--kv-events-config` `endpoint` and `topic`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -32,16 +33,34 @@ pub(crate) fn start(cfg: KvEventsConfig) -> mpsc::UnboundedSender<Vec<KvEvent>> 
 /// us; a PUB socket drops what it sends before that.
 const HANDSHAKE: Duration = Duration::from_millis(200);
 
-async fn connect(endpoint: &str) -> Option<zeromq::PubSocket> {
+/// A connected PUB socket and its monitor, which reports the subscriber leaving.
+struct Conn {
+    sock: zeromq::PubSocket,
+    events: futures_channel::mpsc::Receiver<SocketEvent>,
+}
+
+impl Conn {
+    /// Whether the subscriber went away since the last look.
+    fn lost(&mut self) -> bool {
+        let mut lost = false;
+        while let Ok(e) = self.events.try_recv() {
+            lost |= matches!(e, SocketEvent::Disconnected(_));
+        }
+        lost
+    }
+}
+
+async fn connect(endpoint: &str) -> Option<Conn> {
     let mut sock = zeromq::PubSocket::new();
+    let events = sock.monitor();
     sock.connect(endpoint).await.ok()?;
     tokio::time::sleep(HANDSHAKE).await;
-    Some(sock)
+    Some(Conn { sock, events })
 }
 
 async fn run(cfg: KvEventsConfig, mut rx: mpsc::UnboundedReceiver<Vec<KvEvent>>) {
     let mut seq: u64 = 0;
-    let mut sock: Option<zeromq::PubSocket> = None;
+    let mut sock: Option<Conn> = None;
     // Connected from the start, not at the first batch: a PUB socket drops
     // what it sends before the subscriber's handshake completes.
     let mut retry_at = tokio::time::Instant::now();
@@ -59,6 +78,10 @@ async fn run(cfg: KvEventsConfig, mut rx: mpsc::UnboundedReceiver<Vec<KvEvent>>)
         };
         let this = seq;
         seq += 1;
+        if sock.as_mut().is_some_and(Conn::lost) {
+            sock = None;
+            retry_at = tokio::time::Instant::now();
+        }
         let Some(s) = sock.as_mut() else { continue };
         let ts = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -66,7 +89,7 @@ async fn run(cfg: KvEventsConfig, mut rx: mpsc::UnboundedReceiver<Vec<KvEvent>>)
         let mut msg = ZmqMessage::from(cfg.topic.clone().into_bytes());
         msg.push_back(this.to_be_bytes().to_vec().into());
         msg.push_back(encode_batch(ts, &events).into());
-        if s.send(msg).await.is_err() {
+        if s.sock.send(msg).await.is_err() {
             sock = None;
         }
     }

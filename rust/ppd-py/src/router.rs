@@ -179,18 +179,18 @@ impl Router {
         };
         let spec = ppd_server::config::parse_node("url", url)
             .map_err(|e| errors::invalid(e.to_string()))?;
+        let spec = ppd_server::config::NodeSpec {
+            zmq: zmq_address.or(spec.zmq),
+            ..spec
+        };
         self.with_started(|h| {
-            let now = h.state.now_ms();
-            Ok(h.state
-                .registry
-                .upsert(&spec.url, role, zmq_address.or(spec.zmq), source, now)
-                .1)
+            Ok(ppd_server::server::register_node(&h.state, &spec, role, source).1)
         })
     }
 
     /// Removes a node; returns how many entries went.
     fn deregister_node(&self, url: &str) -> PyResult<usize> {
-        self.with_started(|h| Ok(h.state.registry.remove(url.trim_end_matches('/')).len()))
+        self.with_started(|h| Ok(ppd_server::server::deregister_node(&h.state, url).len()))
     }
 
     /// Nodes as JSON (what `GET /admin/nodes` returns).

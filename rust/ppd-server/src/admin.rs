@@ -123,6 +123,10 @@ struct RegisterBody {
     role: String,
     #[serde(default)]
     zmq_address: Option<String>,
+    /// Where the node publishes its KV events (`tcp://HOST:PORT`, which the
+    /// router binds), as `URL;kv_events=...` in the node lists.
+    #[serde(default)]
+    kv_events: Option<String>,
 }
 
 async fn register(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) -> Response {
@@ -135,8 +139,8 @@ async fn register(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) -> 
         Ok(b) => b,
         Err(e) => {
             return bad_request(format!(
-                "body: {e}; expected {{\"url\", \"role\": P|D|pD|R, \"zmq_address\"?}}"
-            ))
+            "body: {e}; expected {{\"url\", \"role\": P|D|pD|R, \"zmq_address\"?, \"kv_events\"?}}"
+        ))
         }
     };
     let Ok(role) = Role::parse(&b.role) else {
@@ -146,13 +150,18 @@ async fn register(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) -> 
         Ok(s) => s,
         Err(e) => return bad_request(e.to_string()),
     };
-    let (node, new) = st.registry.upsert(
-        &spec.url,
-        role,
-        b.zmq_address.or(spec.zmq),
-        Source::Admin,
-        st.now_ms(),
-    );
+    let kv_events = match b.kv_events {
+        Some(e) if !e.trim().starts_with("tcp://") => {
+            return bad_request(format!("kv_events {e:?}: expected tcp://HOST:PORT"))
+        }
+        e => e.map(|e| e.trim().to_owned()).or(spec.kv_events),
+    };
+    let spec = crate::config::NodeSpec {
+        zmq: b.zmq_address.or(spec.zmq),
+        kv_events,
+        ..spec
+    };
+    let (node, new) = crate::server::register_node(&st, &spec, role, Source::Admin);
     let status = if new {
         StatusCode::CREATED
     } else {
@@ -179,7 +188,7 @@ async fn deregister(
     let Ok(Query(q)) = q else {
         return bad_request("give the node as ?url=...");
     };
-    let gone = st.registry.remove(q.url.trim_end_matches('/'));
+    let gone = crate::server::deregister_node(&st, &q.url);
     if gone.is_empty() {
         return openai_error(
             StatusCode::NOT_FOUND,

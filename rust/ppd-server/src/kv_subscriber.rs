@@ -9,7 +9,7 @@
 //! sessions on it stop counting on their KV. The route step reads the index
 //! under a read lock that the subscriber takes for writing once per batch.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -75,6 +75,9 @@ pub struct NodeKv {
     resets: AtomicU64,
     /// Router clock (ms) of the last reset the event stream showed.
     reset_at_ms: AtomicU64,
+    /// The node left the registry: its subscriber stops and frees the endpoint.
+    closed: AtomicBool,
+    stop: tokio::sync::Notify,
 }
 
 impl NodeKv {
@@ -84,6 +87,16 @@ impl NodeKv {
             last_seq: AtomicU64::new(NO_SEQ),
             ..NodeKv::default()
         }
+    }
+
+    /// Stops the node's subscriber (the node was removed), which unbinds its endpoint.
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        self.stop.notify_waiters();
+    }
+
+    fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
     }
 
     /// Exact once the node's events flow (a batch arrived since the router
@@ -203,6 +216,9 @@ pub async fn run(kv: Arc<NodeKv>, load: Arc<NodeLoad>, now_ms: impl Fn() -> u64)
         return;
     };
     let mut sock = loop {
+        if kv.is_closed() {
+            return;
+        }
         let mut s = zeromq::SubSocket::new();
         match s.bind(&endpoint).await {
             Ok(_) => {
@@ -215,7 +231,15 @@ pub async fn run(kv: Arc<NodeKv>, load: Arc<NodeLoad>, now_ms: impl Fn() -> u64)
         tokio::time::sleep(Duration::from_secs(1)).await;
     };
     loop {
-        match sock.recv().await {
+        let stopped = kv.stop.notified();
+        if kv.is_closed() {
+            break;
+        }
+        let received = tokio::select! {
+            r = sock.recv() => r,
+            () = stopped => break,
+        };
+        match received {
             Ok(msg) => {
                 let frames: Vec<&[u8]> = msg.iter().map(|f| f.as_ref()).collect();
                 match decode_message(&frames) {
@@ -230,6 +254,7 @@ pub async fn run(kv: Arc<NodeKv>, load: Arc<NodeLoad>, now_ms: impl Fn() -> u64)
             }
         }
     }
+    let _ = sock.close().await;
 }
 
 #[cfg(test)]

@@ -68,6 +68,9 @@ pub struct AppState {
     pub stats: Mutex<DecisionStats>,
     /// What bidirectional D nodes pin for the pull path, per conversation.
     pub(crate) pulls: PullHandles,
+    /// The runtime that runs KV-event subscribers of nodes registered later
+    /// (set when the router starts).
+    pub(crate) background: std::sync::OnceLock<tokio::runtime::Handle>,
     /// Model entries of `/v1/models`, gathered from the nodes.
     pub models: ArcSwap<Vec<serde_json::Value>>,
     started: Instant,
@@ -130,6 +133,7 @@ impl AppState {
             renderer,
             stats: Mutex::new(DecisionStats::default()),
             pulls: PullHandles::new(PULL_HANDLES_MAX_BYTES),
+            background: std::sync::OnceLock::new(),
             models: ArcSwap::from_pointee(Vec::new()),
             started: Instant::now(),
             started_wall_ms,
