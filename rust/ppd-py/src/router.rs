@@ -184,13 +184,13 @@ impl Router {
             ..spec
         };
         self.with_started(|h| {
-            Ok(ppd_server::server::register_node(&h.state, &spec, role, source).1)
+            Ok(ppd_server::membership::register_node(&h.state, &spec, role, source).1)
         })
     }
 
     /// Removes a node; returns how many entries went.
     fn deregister_node(&self, url: &str) -> PyResult<usize> {
-        self.with_started(|h| Ok(ppd_server::server::deregister_node(&h.state, url).len()))
+        self.with_started(|h| Ok(ppd_server::membership::deregister_node(&h.state, url).len()))
     }
 
     /// Nodes as JSON (what `GET /admin/nodes` returns).

@@ -161,7 +161,7 @@ async fn register(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) -> 
         kv_events,
         ..spec
     };
-    let (node, new) = crate::server::register_node(&st, &spec, role, Source::Admin);
+    let (node, new) = crate::membership::register_node(&st, &spec, role, Source::Admin);
     let status = if new {
         StatusCode::CREATED
     } else {
@@ -188,7 +188,7 @@ async fn deregister(
     let Ok(Query(q)) = q else {
         return bad_request("give the node as ?url=...");
     };
-    let gone = crate::server::deregister_node(&st, &q.url);
+    let gone = crate::membership::deregister_node(&st, &q.url);
     if gone.is_empty() {
         return openai_error(
             StatusCode::NOT_FOUND,

@@ -30,6 +30,7 @@ mod intake;
 pub mod kv_subscriber;
 mod listener;
 pub mod load;
+pub mod membership;
 pub mod metrics;
 mod orchestrate;
 mod pull;

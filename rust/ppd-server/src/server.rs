@@ -19,6 +19,7 @@ use crate::ingress;
 use crate::kv_subscriber;
 use crate::listener::{self, Budget, Shared, ADMIN_MAX_CONNECTIONS};
 use crate::load;
+use crate::membership;
 use crate::metrics::{
     NodeFigureLabels, NodeLabel, NodeModeLabels, NodeOutcomeLabels, NodeStateLabels,
 };
@@ -309,55 +310,8 @@ fn start_kv_subscribers(st: &Arc<AppState>) -> Vec<tokio::task::JoinHandle<()>> 
     st.registry
         .nodes()
         .iter()
-        .filter_map(|n| subscribe(st, n))
+        .filter_map(|n| membership::subscribe(st, n))
         .collect()
-}
-
-/// Subscribes to a node's KV events, if it publishes them; the task ends
-/// when the node leaves the registry ([`crate::kv_subscriber::NodeKv::close`]).
-pub(crate) fn subscribe(
-    st: &Arc<AppState>,
-    n: &crate::registry::Node,
-) -> Option<tokio::task::JoinHandle<()>> {
-    n.kv.endpoint.as_ref()?;
-    let rt = st.background.get()?;
-    let clock = Arc::clone(st);
-    Some(rt.spawn(kv_subscriber::run(
-        Arc::clone(&n.kv),
-        Arc::clone(&n.load),
-        move || clock.now_ms(),
-    )))
-}
-
-/// Registers (or refreshes) a node at run time — the admin API, ZMQ
-/// discovery — and subscribes to its KV events when it is new.
-pub fn register_node(
-    st: &Arc<AppState>,
-    spec: &crate::config::NodeSpec,
-    role: ppd_core::Role,
-    source: crate::registry::Source,
-) -> (Arc<crate::registry::Node>, bool) {
-    let (node, new) = st.registry.upsert_with_events(
-        &spec.url,
-        role,
-        spec.zmq.clone(),
-        spec.kv_events.clone(),
-        source,
-        st.now_ms(),
-    );
-    if new {
-        subscribe(st, &node);
-    }
-    (node, new)
-}
-
-/// Removes a node by URL and stops its KV-event subscriber; returns what went.
-pub fn deregister_node(st: &AppState, url: &str) -> Vec<Arc<crate::registry::Node>> {
-    let gone = st.registry.remove(url.trim_end_matches('/'));
-    for n in &gone {
-        n.kv.close();
-    }
-    gone
 }
 
 async fn scrape_loop(st: Arc<AppState>) {
