@@ -161,6 +161,7 @@ class DecisionEngine:
         session_on_replica: bool = False,
         kv_lost: bool = False,
         cached_tokens: Optional[int] = None,
+        prefix_mismatch: bool = False,
     ) -> Route:
         """Route one request (Algorithm 1, Phase 2, plus session and node vetoes)."""
     def set_weights(self, w_ttft: float, w_tpot: float) -> None: ...
@@ -224,6 +225,7 @@ def identify(
     counter: Optional[TokenCounter] = None,
     sessions: Optional[SessionTable] = None,
     default_n_out: int = 128,
+    session_from_user: bool = False,
 ) -> RequestFeatures: ...
 
 @final

@@ -2,8 +2,8 @@
 //!
 //! Every outcome is decided here, in [`DecisionEngine::decide`], in one fixed
 //! order: replica-only policy, replica sessions, Turn 1 (hybrid share or pd),
-//! no session, D unavailable, the policy, then the decode-only, residency
-//! and overload vetoes on local. Table, weights and policy swap atomically while
+//! no session, D unavailable, the policy, then the decode-only, prefix,
+//! residency and overload vetoes on local. Table, weights and policy swap atomically while
 //! requests are being decided.
 
 use arc_swap::ArcSwap;
@@ -102,6 +102,9 @@ impl DecisionEngine {
         let (path, reason) = policy.choose(input, &scored, w);
         if path == Path::Local && !input.d_local_capable {
             return early(Reason::DecodeOnly);
+        }
+        if path == Path::Local && !input.prefix_ok {
+            return early(Reason::PrefixMismatch);
         }
         if path == Path::Local && input.residency == Residency::Lost {
             return early(Reason::KvLost);
@@ -241,6 +244,22 @@ mod tests {
             })
             .unwrap();
         assert_eq!(r.reason, Reason::Forced);
+    }
+
+    #[test]
+    fn an_edited_history_vetoes_local() {
+        let base = DecisionInput {
+            prefix_ok: false,
+            ..DecisionInput::turn(2, 64, 64, 300, 4.0)
+        };
+        let r = engine(PolicyKind::Local, Weights::default())
+            .decide(&base)
+            .unwrap();
+        assert_eq!((r.path, r.reason), (Path::Pd, Reason::PrefixMismatch));
+        let r = engine(PolicyKind::Pd, Weights::default())
+            .decide(&base)
+            .unwrap();
+        assert_eq!((r.path, r.reason), (Path::Pd, Reason::Forced));
     }
 
     #[test]

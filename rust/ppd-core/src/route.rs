@@ -97,10 +97,14 @@ pub enum Reason {
     /// The session's D holds less than half of the conversation's context
     /// (evicted, or never cached): local would recompute most of it anyway.
     NotResident,
+    /// The request's history differs from the one the conversation's last
+    /// turn ended with (the client edited it, or stripped reasoning traces):
+    /// the session's D holds another prefix than the one the prompt needs.
+    PrefixMismatch,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 17] = [
+    pub const ALL: [Reason; 18] = [
         Reason::Turn1,
         Reason::NoSession,
         Reason::DUnavailable,
@@ -118,6 +122,7 @@ impl Reason {
         Reason::NodeFailed,
         Reason::KvLost,
         Reason::NotResident,
+        Reason::PrefixMismatch,
     ];
     pub fn as_str(self) -> &'static str {
         match self {
@@ -138,6 +143,7 @@ impl Reason {
             Reason::NodeFailed => "node_failed",
             Reason::KvLost => "kv_lost",
             Reason::NotResident => "not_resident",
+            Reason::PrefixMismatch => "prefix_mismatch",
         }
     }
 }
@@ -192,6 +198,9 @@ pub struct DecisionInput {
     pub d_overloaded: bool,
     /// What that D still holds of the conversation (a veto on local).
     pub residency: Residency,
+    /// The request continues the history the session's last turn ended with
+    /// (false: a veto on local).
+    pub prefix_ok: bool,
     /// That D may append-prefill locally (a pD, not a decode-only D).
     pub d_local_capable: bool,
     /// Hybrid R + P/D: the share of new conversations that replicas take.
@@ -214,6 +223,7 @@ impl DecisionInput {
             d_available: true,
             d_overloaded: false,
             residency: Residency::Unknown,
+            prefix_ok: true,
             d_local_capable: true,
             replica_share: 0.0,
             session_on_replica: false,
