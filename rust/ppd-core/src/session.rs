@@ -533,6 +533,49 @@ mod tests {
     }
 
     #[test]
+    fn a_session_admits_the_history_its_answer_ended_or_a_regeneration() {
+        let unknown = Expected::default();
+        assert!(unknown.admits(42));
+        let e = Expected {
+            next: 7,
+            previous: 3,
+        };
+        assert!(e.admits(7) && e.admits(3));
+        assert!(!e.admits(42));
+        let first = Expected {
+            next: 7,
+            previous: 0,
+        };
+        assert!(!first.admits(0), "0 is unknown, never a history");
+    }
+
+    #[test]
+    fn put_stores_a_copy_under_another_key() {
+        let t = SessionTable::new(SessionConfig::default()).unwrap();
+        let d = NodeId::new(1).unwrap();
+        let rec = TurnRecord {
+            turn: 1,
+            p: None,
+            d,
+            d_epoch: 0,
+            usage: Some((10, 5)),
+            expected: Expected::default(),
+        };
+        let (s, _) = t.record_turn("old", 5, &rec);
+        t.put("new", 6, s);
+        assert_eq!(t.len(), 2);
+        let new = t.peek("new").unwrap();
+        assert_eq!(
+            (new.turns, new.d, new.context_tokens()),
+            (1, Some(d), Some(15))
+        );
+        assert!(
+            t.peek("old").is_some(),
+            "the presented key stays for a retry"
+        );
+    }
+
+    #[test]
     fn session_is_forgotten_after_ttl_of_inactivity() {
         let t = table(1000, 10, 1);
         t.update("a", 0, |s| s.turns = 1);
