@@ -161,6 +161,7 @@ class DecisionEngine:
         session_on_replica: bool = False,
         kv_lost: bool = False,
         cached_tokens: Optional[int] = None,
+        prefix_mismatch: bool = False,
         pull_ready: bool = False,
     ) -> Route:
         """Route one request (Algorithm 1, Phase 2, plus session and node vetoes)."""
@@ -225,6 +226,7 @@ def identify(
     counter: Optional[TokenCounter] = None,
     sessions: Optional[SessionTable] = None,
     default_n_out: int = 128,
+    session_from_user: bool = False,
 ) -> RequestFeatures: ...
 
 @final

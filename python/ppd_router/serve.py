@@ -83,12 +83,17 @@ _SCALARS: dict[str, tuple[type, str]] = {
     "body_read_timeout": (float, "seconds a request body has to arrive, else 408 (default 30)"),
     "keep_alive_timeout": (float, "seconds an idle kept-alive connection stays open (default 75)"),
     "max_connections": (int, "open client connections at most; beyond it 503 + Retry-After (default 4096)"),
+    "route_headers": (
+        str,
+        "which x-ppd-* headers answers carry: all (path, reason, session; default), path (x-ppd-path only) or none",
+    ),
 }
 # On/off settings: the flag turns them on (the file may too).
 _SWITCHES = {
     "expose_node_header": "send each answer's node address in x-ppd-node (internal; off by default)",
     "bidirectional_kv_xfer": "the nodes run vLLM's NIXL connector with bidirectional_kv_xfer (launch sets it): "
     "the pull path, where P reads a conversation's KV back from its D and prefills only the new tokens",
+    "session_from_user": "let the body's `user` field name the conversation when no id header or field does (off)",
 }
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 
 import pytest
@@ -16,21 +15,27 @@ def chat(*msgs, **extra):
     return json.dumps({"messages": [{"role": r, "content": c} for r, c in msgs], **extra})
 
 
-def test_identity_order_header_then_fields_then_md5():
-    body = chat(("user", "hello"), conversation_id="conv", session_id="sess")
+def test_identity_order_header_then_fields_then_history():
+    body = chat(("user", "hello"), conversation_id="conv", session_id="sess", user="alice")
     assert identify(body, "hdr")["conversation_id"] == "hdr"
     assert identify(body)["conversation_id"] == "conv"
     assert identify(chat(("user", "hello"), session_id="sess"))["conversation_id"] == "sess"
-    f = identify(chat(("user", "hello")))
-    assert f["conversation_id"] == hashlib.md5(b"hello").hexdigest()
-    assert f["id_source"] == "first_user_message"
+    assert identify(chat(("user", "hello"), user="alice"), session_from_user=True)["conversation_id"] == "alice"
+    f = identify(chat(("user", "hello"), user="alice"))
+    assert f["conversation_id"] != "alice"
+    assert f["id_source"] == "opening"
 
 
-def test_turn_two_of_the_same_conversation_keeps_its_id():
-    t1 = identify(chat(("system", "s"), ("user", "what is PD?")))
-    t2 = identify(chat(("system", "s"), ("user", "what is PD?"), ("assistant", "a split"), ("user", "and PPD?")))
-    assert t1["conversation_id"] == t2["conversation_id"]
-    assert (t1["turn"], t2["turn"]) == (1, 2)
+def test_conversations_that_open_alike_part_at_their_first_answer():
+    t1 = identify(chat(("system", "s"), ("user", "Hello")))
+    a = identify(chat(("system", "s"), ("user", "Hello"), ("assistant", "hi"), ("user", "and PPD?")))
+    b = identify(chat(("system", "s"), ("user", "Hello"), ("assistant", "good day"), ("user", "and PPD?")))
+    assert (t1["id_source"], a["id_source"]) == ("opening", "history")
+    assert len({t1["conversation_id"], a["conversation_id"], b["conversation_id"]}) == 3
+    # The key depends on the history through the last assistant message only.
+    a_other_question = identify(chat(("system", "s"), ("user", "Hello"), ("assistant", "hi"), ("user", "else")))
+    assert a_other_question["conversation_id"] == a["conversation_id"]
+    assert (t1["turn"], a["turn"]) == (1, 2)
 
 
 def test_token_split_at_the_last_assistant_message():
@@ -51,7 +56,7 @@ def test_session_usage_makes_context_exact_and_gives_the_output_mean():
 
 def test_content_parts_are_counted_and_hashed_as_text():
     parts = json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]})
-    assert identify(parts)["conversation_id"] == hashlib.md5(b"hello").hexdigest()
+    assert identify(parts)["conversation_id"] == identify(chat(("user", "hello")))["conversation_id"]
 
 
 def test_completions_prompt_is_identified_by_its_first_block():
@@ -97,9 +102,9 @@ def test_tokenizer_json_counter_loads_a_real_tokenizer(tmp_path):
 def test_arbitrary_conversations_identify_or_raise_bad_request(msgs):
     body = chat(*msgs)
     f = identify(body)
-    # A chat without user messages (system only, say) is a Turn 1, named by its first message.
+    # A chat without user messages (system only, say) is a Turn 1.
     assert f["turn"] == max(1, sum(r == "user" for r, _ in msgs))
-    if not any(r == "user" for r, _ in msgs):
-        assert f["id_source"] == "first_message"
+    # Keyed by its history through the last assistant message, or new without one.
+    assert f["id_source"] == ("history" if any(r == "assistant" for r, _ in msgs) else "opening")
     total = 1 + 3 + sum(4 + count_tokens(c) for _, c in msgs)
     assert f["n_ctx"] + f["n_in"] == total

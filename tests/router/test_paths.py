@@ -37,7 +37,11 @@ def test_turn_two_is_local_under_local_and_hits_the_prefix_cache(cluster_factory
     r2 = c.chat(history)
     assert r2.status_code == 200, r2.text
     assert (r2.headers["x-ppd-path"], r2.headers["x-ppd-reason"]) == ("local", "forced")
-    assert r2.headers["x-ppd-session"] == r1.headers["x-ppd-session"]
+    # Keyed by its history: Turn 2 presents the key recorded after Turn 1's answer.
+    assert r2.headers["x-ppd-session"] == identify(json.dumps({"messages": history}))["conversation_id"]
+    assert r2.headers["x-ppd-session"] != r1.headers["x-ppd-session"]
+    recorded = {s["id"] for s in c.admin("GET", "/admin/sessions").json()["sessions"]}
+    assert r2.headers["x-ppd-session"] in recorded
     assert p.served() == 1  # P saw only Turn 1
     assert d.served() == 2
     cached = r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"]

@@ -112,7 +112,12 @@ def test_without_a_pin_the_router_can_name_the_turn_goes_pd() -> None:
             body = "".join(s.iter_text())
         assert s.status_code == 200 and "[DONE]" in body
         assert "kv_transfer_params" not in body
-        history += [assistant("streamed answer"), user("next?")]
+        streamed = "".join(
+            json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+            for line in body.splitlines()
+            if line.startswith("data: {") and json.loads(line[6:])["choices"]
+        )
+        history += [assistant(streamed), user("next?")]
         r2 = c.chat(history, headers=sid)
         assert (r2.headers["x-ppd-path"], r2.headers["x-ppd-reason"]) == ("pd", "no_pull_handle")
         # That whole answer pinned turn 2, so turn 3 pulls; its handle is then spent.
@@ -139,5 +144,19 @@ def test_a_router_without_bidirectional_nodes_never_pulls() -> None:
         r2 = c.chat(history, headers=sid)
         assert (r2.headers["x-ppd-path"], r2.headers["x-ppd-reason"]) == ("pd", "no_pull_handle")
         assert router_metric(c, "ppd_pinned_kv", '{figure="handles"}') == 0
+    finally:
+        c.stop()
+
+
+def test_a_conversation_keyed_by_its_history_pulls_too() -> None:
+    c = start(policy="pull")
+    try:
+        history = [user("no id on this conversation, only its history " * 12)]
+        r1 = c.chat(history, max_tokens=16)
+        assert r1.status_code == 200, r1.text
+        history += [assistant(answer_text(r1)), user("and the pin?")]
+        r2 = c.chat(history)
+        # D's pin is filed under the key the next turn presents (its history with the answer).
+        assert (r2.headers["x-ppd-path"], r2.headers["x-ppd-reason"]) == ("pull", "forced")
     finally:
         c.stop()

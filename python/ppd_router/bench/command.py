@@ -92,7 +92,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--no-session-header",
         action="store_true",
-        help="do not send X-Session-ID (the router then hashes the first message)",
+        help="do not send X-Session-ID (the router then keys each conversation by its history)",
     )
     p.add_argument(
         "--max-turns", type=_positive(int), default=None, help="recorded workloads: cut conversations after N turns"

@@ -3,7 +3,7 @@
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use ppd_core::catalog::{paper_workloads, PAPER_QPS};
-use ppd_core::identity::{conversation_id, features};
+use ppd_core::identity::{conversation_id, features, IdHints};
 use ppd_core::request::parse_request;
 use ppd_core::residency::{BlockIndex, KvEvent};
 use ppd_core::session::{NodeId, SessionConfig, SessionTable};
@@ -115,7 +115,7 @@ fn bench(c: &mut Criterion) {
     c.bench_function("identify_and_features", |b| {
         b.iter(|| {
             let v = parse_request(black_box(body)).unwrap();
-            let id = conversation_id(None, &v).unwrap();
+            let id = conversation_id(IdHints::default(), &v).unwrap();
             let f = features(&v, &WordRule, None, 128).unwrap();
             black_box((id, f))
         })

@@ -3,7 +3,8 @@
 //! Every outcome is decided here, in [`DecisionEngine::decide`], in one fixed
 //! order: replica-only policy, replica sessions, Turn 1 (hybrid share or pd),
 //! no session, D unavailable, the policy, then the vetoes: decode-only and
-//! overload on local, residency on local and pull, a pull handle on pull. Table, weights and policy swap atomically while
+//! overload on local; an edited history (prefix) and residency on local and
+//! pull; a pull handle on pull. Table, weights and policy swap atomically while
 //! requests are being decided.
 
 use arc_swap::ArcSwap;
@@ -105,6 +106,9 @@ impl DecisionEngine {
         let reuses = matches!(path, Path::Local | Path::Pull);
         if path == Path::Local && !input.d_local_capable {
             return early(Reason::DecodeOnly);
+        }
+        if reuses && !input.prefix_ok {
+            return early(Reason::PrefixMismatch);
         }
         if reuses && input.residency == Residency::Lost {
             return early(Reason::KvLost);
@@ -284,6 +288,22 @@ mod tests {
         // Turn 1 and unknown conversations go pd as under every policy.
         let r = e.decide(&DecisionInput::turn(1, 64, 64, 0, 4.0)).unwrap();
         assert_eq!(r.reason, Reason::Turn1);
+    }
+
+    #[test]
+    fn an_edited_history_vetoes_local() {
+        let base = DecisionInput {
+            prefix_ok: false,
+            ..DecisionInput::turn(2, 64, 64, 300, 4.0)
+        };
+        let r = engine(PolicyKind::Local, Weights::default())
+            .decide(&base)
+            .unwrap();
+        assert_eq!((r.path, r.reason), (Path::Pd, Reason::PrefixMismatch));
+        let r = engine(PolicyKind::Pd, Weights::default())
+            .decide(&base)
+            .unwrap();
+        assert_eq!((r.path, r.reason), (Path::Pd, Reason::Forced));
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Which conversation a request belongs to, and its features ψ = (turn, n_in, n_ctx, n_out).
 
 use md5::{Digest, Md5};
+use xxhash_rust::xxh3::Xxh3Default;
 
 use crate::error::Error;
 use crate::request::{ContentText, PromptText, RequestView};
@@ -20,33 +21,91 @@ pub const MAX_ID_BYTES: usize = 256;
 /// Where the conversation id came from (first match wins, in this order).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IdSource {
-    Header,
+    /// The `X-Session-ID` header.
+    SessionHeader,
+    /// The `X-Correlation-ID` header (aiperf marks its conversations with it).
+    CorrelationHeader,
+    /// The `X-Session-Affinity` header.
+    AffinityHeader,
     ConversationId,
     SessionId,
-    FirstUserMessage,
-    /// A chat without user messages (system only): its first message.
-    FirstMessage,
+    /// OpenAI's `user` field, only where the operator opted in: it names an
+    /// end user, who may hold many conversations at once.
+    User,
+    /// A chat with an assistant message and no id: the hash of its history
+    /// through the last assistant message (see [`History`]).
+    History,
+    /// A chat without an assistant message and no id: a new conversation,
+    /// named by the hash of its messages (it has no earlier session).
+    Opening,
+    /// A plain `/v1/completions` prompt: a hash of its first block.
     PromptBlock,
 }
 
 impl IdSource {
+    /// The id headers, in priority order.
+    pub const HEADERS: [IdSource; 3] = [
+        IdSource::SessionHeader,
+        IdSource::CorrelationHeader,
+        IdSource::AffinityHeader,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
-            IdSource::Header => "header",
+            IdSource::SessionHeader => "x-session-id",
+            IdSource::CorrelationHeader => "x-correlation-id",
+            IdSource::AffinityHeader => "x-session-affinity",
             IdSource::ConversationId => "conversation_id",
             IdSource::SessionId => "session_id",
-            IdSource::FirstUserMessage => "first_user_message",
-            IdSource::FirstMessage => "first_message",
+            IdSource::User => "user",
+            IdSource::History => "history",
+            IdSource::Opening => "opening",
             IdSource::PromptBlock => "prompt_block",
+        }
+    }
+
+    /// The (lower-case) header name of a header source.
+    pub fn header_name(self) -> Option<&'static str> {
+        IdSource::HEADERS.contains(&self).then_some(self.as_str())
+    }
+
+    /// Whether the client named the conversation itself (else the router
+    /// derived a key from the content).
+    pub fn is_explicit(self) -> bool {
+        !matches!(
+            self,
+            IdSource::History | IdSource::Opening | IdSource::PromptBlock
+        )
+    }
+}
+
+/// What may name a conversation besides its body.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct IdHints<'a> {
+    /// The values of [`IdSource::HEADERS`], in that order.
+    pub headers: [Option<&'a str>; 3],
+    /// The operator lets the body's `user` field name the conversation.
+    pub from_user: bool,
+}
+
+impl<'a> IdHints<'a> {
+    /// Only an `X-Session-ID` value (the Python API's `session_header`).
+    pub fn session_header(value: Option<&'a str>) -> Self {
+        IdHints {
+            headers: [value, None, None],
+            from_user: false,
         }
     }
 }
 
-/// A conversation's identity: its id string and a stable 64-bit hash of it.
+/// A conversation's identity: its id string, where it came from, and for a
+/// chat the hashes of its history.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConversationId {
     pub id: String,
     pub source: IdSource,
+    /// `None` for a plain prompt (no turn structure).
+    pub history: Option<History>,
 }
 
 impl ConversationId {
@@ -58,6 +117,113 @@ impl ConversationId {
 
 pub fn hash_id(id: &str) -> u64 {
     xxhash_rust::xxh3::xxh3_64(id.as_bytes())
+}
+
+/// The hash of one message's text, fed whole or in pieces (a streamed
+/// answer's deltas): the same text gives the same digest however it is cut,
+/// and nothing is buffered.
+#[derive(Clone, Default)]
+pub struct ContentHasher(Xxh3Default);
+
+impl ContentHasher {
+    pub fn new() -> Self {
+        ContentHasher(Xxh3Default::new())
+    }
+
+    pub fn update(&mut self, text: &str) {
+        self.0.update(text.as_bytes());
+    }
+
+    pub fn digest(&self) -> u128 {
+        self.0.digest128()
+    }
+
+    /// A message's content as [`ContentText::joined`] reads it (parts joined
+    /// by `\n`), without joining it.
+    pub fn of(content: &ContentText<'_>) -> u128 {
+        let mut h = ContentHasher::new();
+        match content {
+            ContentText::Empty => {}
+            ContentText::One(t) => h.update(t),
+            ContentText::Parts(ps) => {
+                for (i, p) in ps.iter().enumerate() {
+                    if i > 0 {
+                        h.update("\n");
+                    }
+                    h.update(p);
+                }
+            }
+        }
+        h.digest()
+    }
+}
+
+/// A chained hash of a chat history: each message folds its role and its
+/// content's digest into the hash of the messages before it, so the hash of
+/// a history plus one answer needs only the history's hash and the answer's
+/// digest. Only role and content text count: fields clients commonly strip
+/// or rewrite (`name`, `reasoning_content`, tool call ids) do not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct HistoryHash(u128);
+
+impl HistoryHash {
+    /// The hash of no messages.
+    pub const EMPTY: HistoryHash = HistoryHash(0x7070_6468_6973_746f_7279_0000_0000_0001);
+
+    /// This history followed by a message. Role and digest are framed
+    /// (role length first, digest fixed-size) so no two histories share a
+    /// serialization.
+    pub fn then(self, role: &str, content: u128) -> HistoryHash {
+        let mut h = Xxh3Default::new();
+        h.update(&self.0.to_le_bytes());
+        h.update(&(role.len() as u64).to_le_bytes());
+        h.update(role.as_bytes());
+        h.update(&content.to_le_bytes());
+        HistoryHash(h.digest128())
+    }
+
+    /// This history followed by an assistant answer of digest `answer`
+    /// (see [`ContentHasher`]): the key the next turn will present.
+    pub fn answered(self, answer: u128) -> HistoryHash {
+        self.then("assistant", answer)
+    }
+
+    /// The session-table key: 32 hex digits.
+    pub fn key(self) -> String {
+        format!("{:032x}", self.0)
+    }
+
+    /// 64 bits of it, as a session remembers the history it expects
+    /// (never 0, which means "unknown" there).
+    pub fn short(self) -> u64 {
+        (self.0 as u64).max(1)
+    }
+}
+
+/// The hashes of a chat request's messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct History {
+    /// All of them: followed by this turn's answer, the next turn's prefix.
+    pub whole: HistoryHash,
+    /// Those through the last assistant message: what the conversation's
+    /// previous turn ended with. `None` when there is no assistant message
+    /// (a Turn 1).
+    pub prefix: Option<HistoryHash>,
+}
+
+impl History {
+    pub fn of(messages: &[crate::request::MessageView<'_>]) -> Result<History, Error> {
+        let last_assistant = messages.iter().rposition(|m| m.role == "assistant");
+        let mut h = HistoryHash::EMPTY;
+        let mut prefix = None;
+        for (i, m) in messages.iter().enumerate() {
+            h = h.then(&m.role, ContentHasher::of(&ContentText::parse(m.content)?));
+            if Some(i) == last_assistant {
+                prefix = Some(h);
+            }
+        }
+        Ok(History { whole: h, prefix })
+    }
 }
 
 fn md5_hex(text: &str) -> String {
@@ -103,41 +269,48 @@ fn explicit_id(id: &str) -> Result<String, Error> {
     Ok(id.to_owned())
 }
 
-/// Identifies the conversation: `X-Session-ID` header, body `conversation_id`,
-/// body `session_id`, else MD5 of the first user message (paper B.3), or for a
-/// plain prompt a hash of its first block.
-pub fn conversation_id(
-    header: Option<&str>,
-    req: &RequestView<'_>,
-) -> Result<ConversationId, Error> {
+/// Identifies the conversation. An explicit id first: the headers
+/// `X-Session-ID`, `X-Correlation-ID`, `X-Session-Affinity`, the body's
+/// `conversation_id`, `session_id`, and `user` where `hints.from_user`.
+/// Without one, a chat is keyed by its history through the last assistant
+/// message ([`IdSource::History`]; the router records the key of the history
+/// plus each answer, so conversations that open alike part at their first
+/// answer), or is new ([`IdSource::Opening`]). A plain prompt has no turn
+/// structure: a hash of its first block names it.
+pub fn conversation_id(hints: IdHints<'_>, req: &RequestView<'_>) -> Result<ConversationId, Error> {
+    let history = req.messages.as_deref().map(History::of).transpose()?;
+    let [session, correlation, affinity] = hints.headers;
+    let user = req.user.as_deref().filter(|_| hints.from_user);
     let given = [
-        (non_empty(header), IdSource::Header),
-        (
-            non_empty(req.conversation_id.as_deref()),
-            IdSource::ConversationId,
-        ),
-        (non_empty(req.session_id.as_deref()), IdSource::SessionId),
+        (session, IdSource::SessionHeader),
+        (correlation, IdSource::CorrelationHeader),
+        (affinity, IdSource::AffinityHeader),
+        (req.conversation_id.as_deref(), IdSource::ConversationId),
+        (req.session_id.as_deref(), IdSource::SessionId),
+        (user, IdSource::User),
     ];
-    if let Some((Some(id), source)) = given.into_iter().find(|(id, _)| id.is_some()) {
+    if let Some((id, source)) = given
+        .into_iter()
+        .find_map(|(id, source)| non_empty(id).map(|id| (id, source)))
+    {
         return Ok(ConversationId {
             id: explicit_id(id)?,
             source,
+            history,
         });
     }
-    if let Some(messages) = &req.messages {
-        let (first, source) = match messages.iter().find(|m| m.role == "user") {
-            Some(m) => (m, IdSource::FirstUserMessage),
-            None => (
-                messages
-                    .first()
-                    .ok_or_else(|| Error::BadRequest("messages must not be empty".into()))?,
-                IdSource::FirstMessage,
-            ),
+    if let Some(h) = history {
+        if req.messages.as_ref().is_some_and(Vec::is_empty) {
+            return Err(Error::BadRequest("messages must not be empty".into()));
+        }
+        let (key, source) = match h.prefix {
+            Some(p) => (p, IdSource::History),
+            None => (h.whole, IdSource::Opening),
         };
-        let text = ContentText::parse(first.content)?;
         return Ok(ConversationId {
-            id: md5_hex(&text.joined()),
+            id: key.key(),
             source,
+            history,
         });
     }
     let raw = req
@@ -153,6 +326,7 @@ pub fn conversation_id(
     Ok(ConversationId {
         id,
         source: IdSource::PromptBlock,
+        history: None,
     })
 }
 
@@ -286,53 +460,166 @@ mod tests {
         serde_json::json!({ "messages": m }).to_string()
     }
 
+    fn hints(headers: [Option<&str>; 3]) -> IdHints<'_> {
+        IdHints {
+            headers,
+            from_user: false,
+        }
+    }
+
+    fn id_of(body: &str) -> ConversationId {
+        conversation_id(IdHints::default(), &parse_request(body).unwrap()).unwrap()
+    }
+
     #[test]
-    fn header_beats_body_fields_beats_hash() {
-        let body = r#"{"conversation_id":"c1","session_id":"s1","messages":[{"role":"user","content":"x"}]}"#;
+    fn headers_beat_body_fields_in_their_order() {
+        let body = r#"{"conversation_id":"c1","session_id":"s1","user":"u1","messages":[{"role":"user","content":"x"}]}"#;
         let v = parse_request(body).unwrap();
-        let id = conversation_id(Some("h1"), &v).unwrap();
-        assert_eq!((id.id.as_str(), id.source), ("h1", IdSource::Header));
-        let id = conversation_id(None, &v).unwrap();
+        let of = |h| {
+            let id = conversation_id(hints(h), &v).unwrap();
+            (id.id, id.source)
+        };
+        let s = |x: &str| x.to_owned();
         assert_eq!(
-            (id.id.as_str(), id.source),
-            ("c1", IdSource::ConversationId)
+            of([Some("h1"), Some("h2"), Some("h3")]),
+            (s("h1"), IdSource::SessionHeader)
         );
+        assert_eq!(
+            of([None, Some("h2"), Some("h3")]),
+            (s("h2"), IdSource::CorrelationHeader)
+        );
+        assert_eq!(
+            of([Some(" "), None, Some("h3")]),
+            (s("h3"), IdSource::AffinityHeader)
+        );
+        assert_eq!(of([None; 3]), (s("c1"), IdSource::ConversationId));
         let v = parse_request(r#"{"session_id":"s1","messages":[{"role":"user","content":"x"}]}"#)
             .unwrap();
-        assert_eq!(conversation_id(Some("  "), &v).unwrap().id, "s1");
+        assert_eq!(conversation_id(hints([None; 3]), &v).unwrap().id, "s1");
     }
 
     #[test]
-    fn first_user_message_md5_is_stable_across_turns() {
-        let t1 = chat(&[("system", "be brief"), ("user", "hello")]);
-        let t2 = chat(&[
+    fn user_names_the_conversation_only_when_the_operator_allows_it() {
+        let v = parse_request(r#"{"user":"alice","messages":[{"role":"user","content":"x"}]}"#)
+            .unwrap();
+        let off = conversation_id(IdHints::default(), &v).unwrap();
+        assert_eq!(off.source, IdSource::Opening);
+        let on = IdHints {
+            from_user: true,
+            ..IdHints::default()
+        };
+        let id = conversation_id(on, &v).unwrap();
+        assert_eq!((id.id.as_str(), id.source), ("alice", IdSource::User));
+        // A body field of higher rank still wins.
+        let v = parse_request(
+            r#"{"user":"alice","session_id":"s","messages":[{"role":"user","content":"x"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(conversation_id(on, &v).unwrap().id, "s");
+    }
+
+    #[test]
+    fn the_same_opener_parts_at_the_first_answer() {
+        let t1 = chat(&[("system", "be brief"), ("user", "Hello")]);
+        let opened = id_of(&t1);
+        assert_eq!(opened.source, IdSource::Opening);
+        assert_eq!(opened, id_of(&t1), "a retry of Turn 1 is the same opening");
+        let a = id_of(&chat(&[
             ("system", "be brief"),
-            ("user", "hello"),
-            ("assistant", "hi"),
+            ("user", "Hello"),
+            ("assistant", "hi there"),
             ("user", "more"),
-        ]);
-        let a = conversation_id(None, &parse_request(&t1).unwrap()).unwrap();
-        let b = conversation_id(None, &parse_request(&t2).unwrap()).unwrap();
-        assert_eq!(a, b);
-        assert_eq!(a.id, "5d41402abc4b2a76b9719d911017c592"); // md5("hello")
-        assert_eq!(a.source, IdSource::FirstUserMessage);
+        ]));
+        let b = id_of(&chat(&[
+            ("system", "be brief"),
+            ("user", "Hello"),
+            ("assistant", "good day"),
+            ("user", "more"),
+        ]));
+        assert_eq!((a.source, b.source), (IdSource::History, IdSource::History));
+        assert_ne!(a.id, b.id);
+        assert_ne!(a.id, opened.id);
     }
 
     #[test]
-    fn part_lists_hash_like_their_joined_text() {
-        let parts = r#"{"messages":[{"role":"user","content":[{"type":"text","text":"hello"}]}]}"#;
-        let id = conversation_id(None, &parse_request(parts).unwrap()).unwrap();
-        assert_eq!(id.id, md5_hex("hello"));
+    fn the_key_recorded_after_a_turn_is_the_key_of_the_next() {
+        let t1 = chat(&[("system", "s"), ("user", "Hello")]);
+        let id1 = id_of(&t1);
+        let recorded = id1
+            .history
+            .unwrap()
+            .whole
+            .answered(ContentHasher::of(&ContentText::One("hi there".into())));
+        let t2 = chat(&[
+            ("system", "s"),
+            ("user", "Hello"),
+            ("assistant", "hi there"),
+            ("user", "and then?"),
+        ]);
+        let id2 = id_of(&t2);
+        assert_eq!(id2.id, recorded.key());
+        let t3 = parse_request(&t2).unwrap();
+        let after2 = History::of(t3.messages.as_deref().unwrap())
+            .unwrap()
+            .whole
+            .answered(ContentHasher::of(&ContentText::One("a third".into())));
+        let id3 = id_of(&chat(&[
+            ("system", "s"),
+            ("user", "Hello"),
+            ("assistant", "hi there"),
+            ("user", "and then?"),
+            ("assistant", "a third"),
+            ("user", "go on"),
+        ]));
+        assert_eq!(id3.id, after2.key());
+    }
+
+    #[test]
+    fn a_streamed_answer_hashes_like_the_whole_one() {
+        let mut streamed = ContentHasher::new();
+        for piece in ["hi", " the", "re", "", " é", "!"] {
+            streamed.update(piece);
+        }
+        assert_eq!(
+            streamed.digest(),
+            ContentHasher::of(&ContentText::One("hi there é!".into()))
+        );
+        // Content parts hash as their joined text.
+        let parts = ContentText::Parts(vec!["a".into(), "b".into()]);
+        assert_eq!(
+            ContentHasher::of(&parts),
+            ContentHasher::of(&ContentText::One("a\nb".into()))
+        );
+    }
+
+    #[test]
+    fn only_role_and_content_text_make_the_history() {
+        let plain = id_of(
+            r#"{"messages":[{"role":"user","content":"q"},{"role":"assistant","content":"a"},{"role":"user","content":"r"}]}"#,
+        );
+        let decorated = id_of(
+            r#"{"messages":[{"role":"user","name":"bob","content":[{"type":"text","text":"q"}]},{"role":"assistant","content":"a","reasoning_content":"hmm"},{"role":"user","content":"r"}]}"#,
+        );
+        assert_eq!(plain.id, decorated.id);
+        // Roles count: the same text said by another role is another history.
+        let swapped = id_of(
+            r#"{"messages":[{"role":"system","content":"q"},{"role":"assistant","content":"a"},{"role":"user","content":"r"}]}"#,
+        );
+        assert_ne!(plain.id, swapped.id);
+        // Message boundaries count.
+        let a = HistoryHash::EMPTY.then("user", ContentHasher::of(&ContentText::One("ab".into())));
+        let b = HistoryHash::EMPTY
+            .then("user", ContentHasher::of(&ContentText::One("a".into())))
+            .then("user", ContentHasher::of(&ContentText::One("b".into())));
+        assert_ne!(a, b);
     }
 
     #[test]
     fn completion_prompt_hashes_its_first_block() {
         let a = parse_request(r#"{"prompt":"System text.\n\nUser: hi"}"#).unwrap();
         let b = parse_request(r#"{"prompt":"System text.\n\nUser: hi\n\nAssistant: yo"}"#).unwrap();
-        assert_eq!(
-            conversation_id(None, &a).unwrap(),
-            conversation_id(None, &b).unwrap()
-        );
+        let of = |v| conversation_id(IdHints::default(), v).unwrap();
+        assert_eq!(of(&a), of(&b));
         let long = "é".repeat(2000);
         assert!(prompt_block(&long).len() <= COMPLETION_ID_BLOCK_BYTES);
     }
@@ -401,15 +688,15 @@ mod tests {
     }
 
     #[test]
-    fn a_system_only_chat_is_a_first_turn_named_by_its_first_message() {
+    fn a_system_only_chat_is_a_first_turn_and_an_opening() {
         // vLLM and OpenAI answer these; the router must not refuse them.
         let body = chat(&[("system", "x")]);
         let f = features(&parse_request(&body).unwrap(), &WordRule, None, 1).unwrap();
         assert_eq!(f.turn, 1);
-        let id = conversation_id(None, &parse_request(&body).unwrap()).unwrap();
-        assert_eq!((id.id, id.source), (md5_hex("x"), IdSource::FirstMessage));
+        let id = id_of(&body);
+        assert_eq!(id.source, IdSource::Opening);
         let empty = r#"{"messages":[]}"#;
-        assert!(conversation_id(None, &parse_request(empty).unwrap()).is_err());
+        assert!(conversation_id(IdHints::default(), &parse_request(empty).unwrap()).is_err());
     }
 
     #[test]
@@ -417,22 +704,20 @@ mod tests {
         let body = chat(&[("user", "x")]);
         let v = parse_request(&body).unwrap();
         let long = "a".repeat(4 * 1024 * 1024);
-        let id = conversation_id(Some(&long), &v).unwrap();
+        let header = |h: &str| conversation_id(IdHints::session_header(Some(h)), &v);
+        let id = header(&long).unwrap();
         assert_eq!(id.id, format!("md5:{}", md5_hex(&long)));
         assert!(id.id.len() <= MAX_ID_BYTES);
         let exact = "b".repeat(MAX_ID_BYTES);
-        assert_eq!(conversation_id(Some(&exact), &v).unwrap().id, exact);
+        assert_eq!(header(&exact).unwrap().id, exact);
         for bad in ["a\r\nx-injected: 1", "nul\0", "tab\tinside"] {
-            let e = conversation_id(Some(bad), &v).unwrap_err().to_string();
+            let e = header(bad).unwrap_err().to_string();
             assert!(e.contains("control characters"), "{bad:?}: {e}");
         }
         let body = format!(
             r#"{{"conversation_id":"{}","messages":[{{"role":"user","content":"x"}}]}}"#,
             "c".repeat(300)
         );
-        assert!(conversation_id(None, &parse_request(&body).unwrap())
-            .unwrap()
-            .id
-            .starts_with("md5:"));
+        assert!(id_of(&body).id.starts_with("md5:"));
     }
 }

@@ -20,6 +20,10 @@ pub struct RequestView<'a> {
     pub conversation_id: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
     pub session_id: Option<Cow<'a, str>>,
+    /// OpenAI's end-user id: names the conversation only where the operator
+    /// allows it (an end user may hold several conversations at once).
+    #[serde(borrow, default)]
+    pub user: Option<Cow<'a, str>>,
     /// As written; [`parse_request`] admits only whole numbers ≥ 1.
     #[serde(default)]
     pub max_tokens: Option<serde_json::Number>,

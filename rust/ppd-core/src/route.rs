@@ -105,10 +105,14 @@ pub enum Reason {
     /// read: D's last answer streamed (vLLM 0.32 returns its transfer params
     /// only in whole answers), its pin expired, or was already read.
     NoPullHandle,
+    /// The request's history differs from the one the conversation's last
+    /// turn ended with (the client edited it, or stripped reasoning traces):
+    /// the session's D holds another prefix than the one the prompt needs.
+    PrefixMismatch,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 18] = [
+    pub const ALL: [Reason; 19] = [
         Reason::Turn1,
         Reason::NoSession,
         Reason::DUnavailable,
@@ -127,6 +131,7 @@ impl Reason {
         Reason::KvLost,
         Reason::NotResident,
         Reason::NoPullHandle,
+        Reason::PrefixMismatch,
     ];
     pub fn as_str(self) -> &'static str {
         match self {
@@ -148,6 +153,7 @@ impl Reason {
             Reason::KvLost => "kv_lost",
             Reason::NotResident => "not_resident",
             Reason::NoPullHandle => "no_pull_handle",
+            Reason::PrefixMismatch => "prefix_mismatch",
         }
     }
 }
@@ -202,6 +208,9 @@ pub struct DecisionInput {
     pub d_overloaded: bool,
     /// What that D still holds of the conversation (a veto on local).
     pub residency: Residency,
+    /// The request continues the history the session's last turn ended with
+    /// (false: a veto on local).
+    pub prefix_ok: bool,
     /// That D may append-prefill locally (a pD, not a decode-only D).
     pub d_local_capable: bool,
     /// Hybrid R + P/D: the share of new conversations that replicas take.
@@ -227,6 +236,7 @@ impl DecisionInput {
             d_available: true,
             d_overloaded: false,
             residency: Residency::Unknown,
+            prefix_ok: true,
             d_local_capable: true,
             replica_share: 0.0,
             session_on_replica: false,

@@ -23,7 +23,7 @@ impl NodeId {
     }
 }
 
-/// What the router remembers of one conversation (48 bytes).
+/// What the router remembers of one conversation (64 bytes).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Session {
     /// Turns completed so far.
@@ -41,6 +41,27 @@ pub struct Session {
     out_samples: u32,
     pub created_ms: u64,
     pub last_access_ms: u64,
+    /// The histories the next turn of an explicitly named conversation may
+    /// present (a conversation keyed by its history is checked by its key).
+    pub expected: Expected,
+}
+
+/// The histories (through the last assistant message, as
+/// [`crate::identity::HistoryHash::short`]) that continue a session: the one
+/// its last turn's answer ended, and the one that turn itself continued (a
+/// regeneration of that turn). 0 is unknown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Expected {
+    pub next: u64,
+    pub previous: u64,
+}
+
+impl Expected {
+    /// Whether a request whose history hashes to `prefix` continues the
+    /// session; with nothing known, any does.
+    pub fn admits(self, prefix: u64) -> bool {
+        self.next == 0 || prefix == self.next || (self.previous != 0 && prefix == self.previous)
+    }
 }
 
 impl Session {
@@ -55,6 +76,7 @@ impl Session {
             out_samples: 0,
             created_ms: now_ms,
             last_access_ms: now_ms,
+            expected: Expected::default(),
         }
     }
 
@@ -93,6 +115,8 @@ pub struct TurnRecord {
     pub d_epoch: u32,
     /// `(prompt_tokens, completion_tokens)` as upstream reported them.
     pub usage: Option<(u32, u32)>,
+    /// What the next turn's history should be (unknown after an aborted answer).
+    pub expected: Expected,
 }
 
 /// The one JSON shape of a session, for the admin API and the Python API.
@@ -155,8 +179,9 @@ impl Default for SessionConfig {
 
 /// What one session costs besides its id's bytes: the entry, the LRU links
 /// and the hash slot (1M sessions with ~20-byte ids measured 164 B each,
-/// bench/results/core.md).
-pub const ENTRY_OVERHEAD_BYTES: usize = 144;
+/// bench/results/core.md, with the 48-byte session of then; it has grown
+/// by its 16-byte [`Expected`] since).
+pub const ENTRY_OVERHEAD_BYTES: usize = 160;
 
 fn footprint(id_len: usize) -> usize {
     id_len + ENTRY_OVERHEAD_BYTES
@@ -339,8 +364,16 @@ impl SessionTable {
             if let Some((prompt, completion)) = rec.usage {
                 s.record_usage(prompt, completion, now_ms);
             }
+            s.expected = rec.expected;
         });
         (s, before)
+    }
+
+    /// Stores `session` under `id` too (replacing what was there): a
+    /// conversation keyed by its history is found under the key of each
+    /// history it reached, until the old keys age out (LRU, TTL).
+    pub fn put(&self, id: &str, now_ms: u64, session: Session) -> Session {
+        self.update(id, now_ms, |s| *s = session)
     }
 
     /// A session with an id of `id_len` bytes left the table.
@@ -500,6 +533,49 @@ mod tests {
     }
 
     #[test]
+    fn a_session_admits_the_history_its_answer_ended_or_a_regeneration() {
+        let unknown = Expected::default();
+        assert!(unknown.admits(42));
+        let e = Expected {
+            next: 7,
+            previous: 3,
+        };
+        assert!(e.admits(7) && e.admits(3));
+        assert!(!e.admits(42));
+        let first = Expected {
+            next: 7,
+            previous: 0,
+        };
+        assert!(!first.admits(0), "0 is unknown, never a history");
+    }
+
+    #[test]
+    fn put_stores_a_copy_under_another_key() {
+        let t = SessionTable::new(SessionConfig::default()).unwrap();
+        let d = NodeId::new(1).unwrap();
+        let rec = TurnRecord {
+            turn: 1,
+            p: None,
+            d,
+            d_epoch: 0,
+            usage: Some((10, 5)),
+            expected: Expected::default(),
+        };
+        let (s, _) = t.record_turn("old", 5, &rec);
+        t.put("new", 6, s);
+        assert_eq!(t.len(), 2);
+        let new = t.peek("new").unwrap();
+        assert_eq!(
+            (new.turns, new.d, new.context_tokens()),
+            (1, Some(d), Some(15))
+        );
+        assert!(
+            t.peek("old").is_some(),
+            "the presented key stays for a retry"
+        );
+    }
+
+    #[test]
     fn session_is_forgotten_after_ttl_of_inactivity() {
         let t = table(1000, 10, 1);
         t.update("a", 0, |s| s.turns = 1);
@@ -573,6 +649,7 @@ mod tests {
             d: node(1),
             d_epoch: 0,
             usage: Some((100, 20)),
+            expected: Expected::default(),
         };
         let (s, before) = t.record_turn("c", 0, &first);
         assert_eq!(before, None);
@@ -587,6 +664,7 @@ mod tests {
             d: node(1),
             d_epoch: 0,
             usage: None,
+            expected: Expected::default(),
         };
         let (s, before) = t.record_turn("c", 5, &local);
         assert_eq!(before, Some(node(1)));
@@ -604,6 +682,7 @@ mod tests {
                 d: node(2),
                 d_epoch: 0,
                 usage: Some((1, 1)),
+                expected: Expected::default(),
             },
         );
         assert_eq!(
@@ -624,6 +703,7 @@ mod tests {
                 d: node(1),
                 d_epoch: 0,
                 usage: None,
+                expected: Expected::default(),
             },
         );
         let v =

@@ -49,6 +49,9 @@ pub struct AppState {
     next_id: AtomicU64,
     node_tag: u32,
     rng: AtomicU64,
+    /// Draws of sampled requests' nonces; seeded per process, like vLLM's
+    /// sampler, so sampled answers differ across requests and runs.
+    sampling: AtomicU64,
     client: reqwest::Client,
     created: u64,
     bidirectional: Option<Bidirectional>,
@@ -94,6 +97,7 @@ impl AppState {
             next_id: AtomicU64::new(1),
             node_tag: tag,
             rng: AtomicU64::new(mix64(cfg.seed ^ 0xFA17)),
+            sampling: AtomicU64::new(mix64(u64::from(tag) ^ 0x5A3F_11E5)),
             client: reqwest::Client::builder()
                 .timeout(Duration::from_secs(30))
                 .build()
@@ -325,6 +329,7 @@ async fn completions(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
 /// A parsed generation request, ready for the engine.
 struct Parsed {
     prompt: Vec<u64>,
+    sampling: Sampling,
     max_tokens: Option<u32>,
     stream: bool,
     include_usage: bool,
@@ -338,6 +343,43 @@ fn parse_u32(v: &Value, field: &str) -> Result<Option<u32>, Response> {
             Some(n) if n >= 1 && n <= u32::MAX as u64 => Ok(Some(n as u32)),
             _ => Err(bad(format!("{field} must be an integer ≥ 1, got {x}"))),
         },
+    }
+}
+
+/// How the answer's text is chosen, as vLLM samples it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sampling {
+    /// `temperature: 0`: greedy, the same text for the same prompt.
+    Greedy,
+    /// An explicit `seed`: the same text for the same prompt and seed.
+    Seeded(u64),
+    /// `temperature > 0` (vLLM's default is 1.0) without a seed: each
+    /// request its own text.
+    Random,
+}
+
+fn sampling_of(v: &Value) -> Sampling {
+    let seed = v
+        .get("seed")
+        .and_then(|s| s.as_u64().or_else(|| s.as_i64().map(|i| i as u64)));
+    if let Some(seed) = seed {
+        return Sampling::Seeded(seed);
+    }
+    match v.get("temperature").and_then(Value::as_f64) {
+        Some(t) if t <= 0.0 => Sampling::Greedy,
+        _ => Sampling::Random,
+    }
+}
+
+impl AppState {
+    /// The generator's key for a prompt under a request's sampling.
+    fn answer_key(&self, prompt: &[u64], sampling: Sampling) -> u64 {
+        let key = self.gen.key(prompt);
+        match sampling {
+            Sampling::Greedy => key,
+            Sampling::Seeded(seed) => mix64(key ^ mix64(seed ^ 0x5EED)),
+            Sampling::Random => mix64(key ^ mix64(self.sampling.fetch_add(1, Ordering::Relaxed))),
+        }
     }
 }
 
@@ -430,6 +472,7 @@ fn parse_body(s: &AppState, ep: Endpoint, text: &str) -> Result<Parsed, Response
     }
     Ok(Parsed {
         prompt,
+        sampling: sampling_of(&v),
         max_tokens,
         stream,
         include_usage,
@@ -625,7 +668,7 @@ async fn generate(s: Arc<AppState>, ep: Endpoint, body: Bytes) -> Response {
         }
         _ => None,
     };
-    let key = s.gen.key(&p.prompt);
+    let key = s.answer_key(&p.prompt, p.sampling);
     let (n_out, finish_reason) = match p.max_tokens {
         Some(n) => (n, "length"),
         None => {

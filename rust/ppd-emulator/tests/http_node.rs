@@ -51,8 +51,9 @@ async fn post_sse(url: &str, body: &Value) -> (u16, String, Vec<String>) {
     (status, ctype, events)
 }
 
+/// A greedy chat body (`temperature: 0`: the same text for the same prompt).
 fn chat(messages: Value, max_tokens: u32) -> Value {
-    json!({"model": MODEL, "messages": messages, "max_tokens": max_tokens})
+    json!({"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0})
 }
 
 /// The router's token estimate for a chat prompt (ppd-core's template constants).
@@ -583,6 +584,43 @@ async fn bidirectional_p_reads_ds_conversation_kv_and_prefills_only_the_new_turn
         d2["kv_transfer_params"]["do_remote_decode"], true,
         "turn 2 pinned too"
     );
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sampling_like_vllm_varies_the_text_unless_greedy_or_seeded() {
+    let c = cluster("1R", 3).await;
+    let url = format!("{}/v1/chat/completions", c.nodes[0].url);
+    let text = |v: &Value| {
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let mut body = chat(json!([{"role": "user", "content": "Hello"}]), 12);
+    body.as_object_mut().unwrap().remove("temperature"); // vLLM's default: 1.0
+    let mut seen = std::collections::HashSet::new();
+    for _ in 0..4 {
+        let (s, v) = post(&url, &body).await;
+        assert_eq!(s, 200, "{v}");
+        seen.insert(text(&v));
+    }
+    assert!(
+        seen.len() > 1,
+        "sampled answers to one prompt all alike: {seen:?}"
+    );
+    for fixed in [
+        json!({"temperature": 0}),
+        json!({"temperature": 0.8, "seed": 7}),
+    ] {
+        let mut b = body.clone();
+        b.as_object_mut()
+            .unwrap()
+            .extend(fixed.as_object().unwrap().clone());
+        let (_, first) = post(&url, &b).await;
+        let (_, again) = post(&url, &b).await;
+        assert_eq!(text(&first), text(&again), "{fixed}");
+    }
     c.shutdown().await;
 }
 

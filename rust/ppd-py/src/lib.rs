@@ -338,9 +338,10 @@ impl DecisionEngine {
 
     /// Routes one request. Turn 1 takes pd; Turn 2+ follows the policy unless
     /// the session is unknown, its D unavailable, or (for local) overloaded,
-    /// its KV lost (`kv_lost`) or mostly not cached (`cached_tokens`); pull
-    /// needs D's pin named (`pull_ready`).
-    #[pyo3(signature = (turn, n_in, n_out, n_ctx, qps, *, conversation_id = None, has_session = true, d_available = true, d_overloaded = false, d_local_capable = true, replica_share = 0.0, session_on_replica = false, kv_lost = false, cached_tokens = None, pull_ready = false))]
+    /// its KV lost (`kv_lost`) or mostly not cached (`cached_tokens`), or
+    /// the request's history not the one the last turn ended with
+    /// (`prefix_mismatch`); pull needs D's pin named (`pull_ready`).
+    #[pyo3(signature = (turn, n_in, n_out, n_ctx, qps, *, conversation_id = None, has_session = true, d_available = true, d_overloaded = false, d_local_capable = true, replica_share = 0.0, session_on_replica = false, kv_lost = false, cached_tokens = None, prefix_mismatch = false, pull_ready = false))]
     #[allow(clippy::too_many_arguments)]
     fn decide(
         &self,
@@ -359,6 +360,7 @@ impl DecisionEngine {
         session_on_replica: bool,
         kv_lost: bool,
         cached_tokens: Option<i64>,
+        prefix_mismatch: bool,
         pull_ready: bool,
     ) -> PyResult<Route> {
         let residency = match (kv_lost, cached_tokens) {
@@ -377,6 +379,7 @@ impl DecisionEngine {
             d_available,
             d_overloaded,
             residency,
+            prefix_ok: !prefix_mismatch,
             d_local_capable,
             replica_share,
             session_on_replica,
@@ -557,6 +560,7 @@ impl SessionTable {
             d: d_id,
             d_epoch: 0,
             usage,
+            expected: Default::default(),
         };
         let (s, _) = self.inner.record_turn(conversation_id, t, &record);
         self.session_dict(py, conversation_id, &s)
@@ -608,8 +612,10 @@ impl SessionTable {
 
 /// Conversation identity and features of a request body (str or bytes of JSON).
 /// With `sessions`, a known session gives the exact context and the output mean.
+/// `session_header` is an `X-Session-ID` value; `session_from_user` lets the
+/// body's `user` field name the conversation, as the router's option does.
 #[pyfunction]
-#[pyo3(signature = (body, session_header = None, *, counter = None, sessions = None, default_n_out = 128))]
+#[pyo3(signature = (body, session_header = None, *, counter = None, sessions = None, default_n_out = 128, session_from_user = false))]
 fn identify(
     py: Python<'_>,
     body: &Bound<'_, PyAny>,
@@ -617,13 +623,18 @@ fn identify(
     counter: Option<&TokenCounter>,
     sessions: Option<&SessionTable>,
     default_n_out: u32,
+    session_from_user: bool,
 ) -> PyResult<Py<PyDict>> {
     let text = body_text(body)?;
     let counter: Arc<dyn CoreCounter> = counter
         .map(|c| Arc::clone(&c.inner))
         .unwrap_or_else(|| Arc::new(WordRule));
     let view = ppd_core::request::parse_request(&text).map_err(to_py)?;
-    let id = identity::conversation_id(session_header, &view).map_err(to_py)?;
+    let hints = identity::IdHints {
+        from_user: session_from_user,
+        ..identity::IdHints::session_header(session_header)
+    };
+    let id = identity::conversation_id(hints, &view).map_err(to_py)?;
     let session = sessions.and_then(|s| s.inner.peek(&id.id));
     let f = identity::features(&view, counter.as_ref(), session.as_ref(), default_n_out)
         .map_err(to_py)?;

@@ -4,7 +4,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use ppd_core::session::TurnRecord;
+use ppd_core::identity::{History, IdSource};
+use ppd_core::session::{Expected, NodeId, TurnRecord};
 use ppd_core::{Path, Role, Route};
 
 use crate::metrics::{ErrorLabels, PathLabel, RequestLabels};
@@ -58,6 +59,11 @@ pub(crate) fn upstream_error(st: &AppState, role: Role, kind: &'static str) {
 pub(crate) struct Ticket {
     pub state: Arc<AppState>,
     pub conv: String,
+    /// Where `conv` came from: a client's id, or the router's key.
+    pub source: IdSource,
+    /// The request's history hashes (a chat), to which the answer adds the
+    /// next turn's.
+    pub history: Option<History>,
     pub turn: u32,
     pub n_in: u32,
     pub route: Route,
@@ -80,32 +86,39 @@ impl Ticket {
     }
 
     /// A bidirectional D named the blocks it pins for this turn: the next
-    /// turn may pull them (until vLLM's safety margin before the pin's TTL).
-    pub fn record_pin(&self, params: &serde_json::Value) {
+    /// turn may pull them (until vLLM's safety margin before the pin's TTL),
+    /// under the key that turn will present. `answer` is the digest of this
+    /// turn's answer (a history-keyed conversation's next key needs it).
+    pub fn record_pin(&self, params: &serde_json::Value, answer: Option<u128>) {
         let st = &self.state;
+        let next = if self.source.is_explicit() {
+            Some(self.conv.clone())
+        } else {
+            self.history
+                .zip(answer)
+                .map(|(h, a)| h.whole.answered(a).key())
+        };
+        let Some(key) = next else { return };
         let now = st.now_ms();
         let ttl_ms = (st.cfg.decoder_kv_blocks_ttl * 1000.0) as u64;
         let expires = now + ttl_ms.saturating_sub(PIN_SAFETY_MARGIN_MS);
         let d = (self.d.id, self.d.load.epoch());
         if let Some(h) = crate::pull::handle_of(params, d, expires) {
-            st.pulls.record(&self.conv, h);
+            st.pulls.record(&key, h);
         }
     }
 
     /// A complete answer: session, latencies, KV accounting, node health.
-    pub fn finish(&self, usage: Option<Usage>, first_token: Option<Instant>, end: Instant) {
+    /// `answer` is the digest of the answer's text (a chat's).
+    pub fn finish(
+        &self,
+        usage: Option<Usage>,
+        answer: Option<u128>,
+        first_token: Option<Instant>,
+        end: Instant,
+    ) {
         let st = &self.state;
-        let record = TurnRecord {
-            turn: self.turn,
-            p: self.p.as_ref().map(|p| p.id),
-            d: self.d.id,
-            d_epoch: self.d.load.epoch(),
-            usage: usage.map(|u| (u.prompt_tokens, u.completion_tokens)),
-        };
-        let (_, before) = st.sessions.record_turn(&self.conv, st.now_ms(), &record);
-        if before != Some(self.d.id) {
-            self.d.sessions.fetch_add(1, Ordering::Relaxed);
-        }
+        self.record_session(usage, answer, Outcome::Answered);
         st.registry.record_success(&self.d);
         let path = PathLabel {
             path: self.route.path.as_str(),
@@ -146,4 +159,70 @@ impl Ticket {
         }
         self.count(200);
     }
+
+    /// The client left mid-stream, after D's first token: D computed the
+    /// prompt, so its prefix cache holds the conversation and the session
+    /// keeps it (what the client kept of the answer is unknown: `answer` is
+    /// the digest of the text relayed so far).
+    pub fn abort(&self, answer: Option<u128>) {
+        self.record_session(None, answer, Outcome::Aborted);
+        self.count(499);
+    }
+
+    /// Records the turn where the next one will look: under the client's id
+    /// (with the history it should present next), or, for a conversation
+    /// keyed by its history, under the key it presented (a retry finds it)
+    /// and under the key of its history plus this answer.
+    fn record_session(&self, usage: Option<Usage>, answer: Option<u128>, outcome: Outcome) {
+        let st = &self.state;
+        let now = st.now_ms();
+        let next = self.history.zip(answer).map(|(h, a)| h.whole.answered(a));
+        let mut record = TurnRecord {
+            turn: self.turn,
+            p: self.p.as_ref().map(|p| p.id),
+            d: self.d.id,
+            d_epoch: self.d.load.epoch(),
+            usage: usage.map(|u| (u.prompt_tokens, u.completion_tokens)),
+            expected: Expected::default(),
+        };
+        let before = if self.source.is_explicit() {
+            if outcome == Outcome::Answered {
+                record.expected = Expected {
+                    next: next.map_or(0, |h| h.short()),
+                    previous: self.history.and_then(|h| h.prefix).map_or(0, |h| h.short()),
+                };
+            }
+            st.sessions.record_turn(&self.conv, now, &record).1
+        } else {
+            // An opening was never looked up and never will be: only the key
+            // after its answer is worth an entry.
+            let presented = (self.source != IdSource::Opening)
+                .then(|| st.sessions.record_turn(&self.conv, now, &record));
+            if let Some(next) = next {
+                match presented {
+                    Some((s, _)) => {
+                        st.sessions.put(&next.key(), now, s);
+                    }
+                    None => {
+                        st.sessions.record_turn(&next.key(), now, &record);
+                    }
+                }
+            }
+            presented.and_then(|(_, before)| before)
+        };
+        self.count_session_on_d(before);
+    }
+
+    /// A conversation whose KV moved to this D counts as one more of its sessions.
+    fn count_session_on_d(&self, before: Option<NodeId>) {
+        if before != Some(self.d.id) {
+            self.d.sessions.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    Answered,
+    Aborted,
 }

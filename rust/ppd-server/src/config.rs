@@ -31,6 +31,19 @@ pub enum PromptRenderer {
     None,
 }
 
+/// Which `x-ppd-*` headers an answer carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RouteHeaders {
+    /// `x-ppd-path`, `x-ppd-reason`, `x-ppd-session` (and `x-ppd-node` with
+    /// `expose_node_header`).
+    All,
+    /// Only `x-ppd-path`.
+    Path,
+    /// None of them.
+    None,
+}
+
 /// How the router's I/O threads serve connections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -134,6 +147,13 @@ pub struct RouterConfig {
     pub first_token_timeout: f64,
     /// Send each answer's node address in `x-ppd-node` (internal; off by default).
     pub expose_node_header: bool,
+    /// Which `x-ppd-*` headers answers carry: `all`, `path` (only
+    /// `x-ppd-path`) or `none`.
+    pub route_headers: RouteHeaders,
+    /// Let OpenAI's `user` body field name the conversation when no header,
+    /// `conversation_id` or `session_id` does (off: `user` names an end
+    /// user, who may hold several conversations at once).
+    pub session_from_user: bool,
     /// Memory the session table may take, bytes (ids included; LRU beyond it).
     pub session_max_bytes: usize,
 
@@ -248,6 +268,8 @@ impl Default for RouterConfig {
             runtime: Runtime::ThreadPerCore,
             first_token_timeout: 60.0,
             expose_node_header: false,
+            route_headers: RouteHeaders::All,
+            session_from_user: false,
             session_max_bytes: 256 * 1024 * 1024,
             max_inflight_per_node: 256,
             max_inflight_tokens_per_node: 0,
@@ -737,6 +759,21 @@ mod tests {
         assert_eq!(s.config().kv_protocol, KvProtocol::Nixl);
         assert_eq!(s.config().runtime, Runtime::ThreadPerCore);
         assert_eq!(RouterConfig::default().max_body_bytes, 16 * 1024 * 1024);
+        assert_eq!(s.config().route_headers, RouteHeaders::All);
+        assert!(!s.config().session_from_user);
+    }
+
+    #[test]
+    fn identity_and_header_settings_parse_from_toml() {
+        let c = RouterConfig::from_toml(
+            "route_headers = \"path\"\nsession_from_user = true\n",
+            "r.toml",
+        )
+        .unwrap();
+        assert_eq!(
+            (c.route_headers, c.session_from_user),
+            (RouteHeaders::Path, true)
+        );
     }
 
     type Mutation = Box<dyn Fn(&mut RouterConfig)>;
@@ -890,6 +927,7 @@ mod tests {
             ("policy", "\"fast\""),
             ("kv_protocol", "\"rdma\""),
             ("runtime", "\"per-request\""),
+            ("route_headers", "\"some\""),
         ] {
             let e = RouterConfig::default()
                 .with_overrides(&format!("{{\"{key}\": {value}}}"))

@@ -2,7 +2,7 @@
 
 use axum::http::HeaderMap;
 
-use ppd_core::identity::{conversation_id, features, Features};
+use ppd_core::identity::{conversation_id, features, Features, History, IdHints, IdSource};
 use ppd_core::prompt::request_ids;
 use ppd_core::request::RequestView;
 use ppd_core::session::Session;
@@ -15,6 +15,14 @@ pub const SESSION_HEADER: &str = "x-session-id";
 /// What the route step knows of a request before deciding.
 pub(crate) struct Identified {
     pub conv: String,
+    /// Where `conv` came from: a client's id, or the router's key.
+    pub source: IdSource,
+    /// The hashes of a chat's messages (`None` for a plain prompt).
+    pub history: Option<History>,
+    /// The request continues the history its session's last turn ended with
+    /// (or nothing says otherwise). A conversation keyed by its history
+    /// always does: its key is that history.
+    pub prefix_ok: bool,
     pub features: Features,
     /// The router's live session of the conversation, if any.
     pub session: Option<Session>,
@@ -32,8 +40,15 @@ pub(crate) fn identify(
     headers: &HeaderMap,
     view: &RequestView<'_>,
 ) -> Result<Identified, ppd_core::Error> {
-    let header_id = headers.get(SESSION_HEADER).and_then(|v| v.to_str().ok());
-    let conv = conversation_id(header_id, view)?;
+    let hints = IdHints {
+        headers: IdSource::HEADERS.map(|src| {
+            src.header_name()
+                .and_then(|name| headers.get(name))
+                .and_then(|v| v.to_str().ok())
+        }),
+        from_user: st.cfg.session_from_user,
+    };
+    let conv = conversation_id(hints, view)?;
     let now = st.now_ms();
     let session = st.sessions.get(&conv.id, now);
     let table = st.engine.table();
@@ -51,13 +66,26 @@ pub(crate) fn identify(
         q.rate(now)
     };
     let prompt_ids = exact_prompt_ids(st, view, session.as_ref())?;
+    let prefix_ok = continues(conv.source, conv.history, session.as_ref());
     Ok(Identified {
         conv: conv.id,
+        source: conv.source,
+        history: conv.history,
+        prefix_ok,
         features,
         session,
         qps,
         prompt_ids,
     })
+}
+
+/// Whether a named conversation's request presents the history its last
+/// answer ended (or the one that turn continued, for a regeneration).
+fn continues(source: IdSource, history: Option<History>, session: Option<&Session>) -> bool {
+    match (history.and_then(|h| h.prefix), session) {
+        (Some(prefix), Some(s)) if source.is_explicit() => s.expected.admits(prefix.short()),
+        _ => true,
+    }
 }
 
 /// Renders the prompt only where it pays: a session whose D reports its
@@ -78,4 +106,39 @@ fn exact_prompt_ids(
         return Ok(None);
     }
     request_ids(view, renderer).map(Some)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ppd_core::identity::ContentHasher;
+    use ppd_core::request::{parse_request, ContentText};
+    use ppd_core::session::Expected;
+
+    fn history(body: &str) -> History {
+        History::of(parse_request(body).unwrap().messages.as_deref().unwrap()).unwrap()
+    }
+
+    #[test]
+    fn an_edited_history_does_not_continue_a_named_session() {
+        let t1 = history(r#"{"messages":[{"role":"user","content":"q"}]}"#);
+        let answer = ContentHasher::of(&ContentText::One("a".into()));
+        let mut s = Session::new(0);
+        s.expected = Expected {
+            next: t1.whole.answered(answer).short(),
+            previous: 0,
+        };
+        let same = history(
+            r#"{"messages":[{"role":"user","content":"q"},{"role":"assistant","content":"a"},{"role":"user","content":"r"}]}"#,
+        );
+        let edited = history(
+            r#"{"messages":[{"role":"user","content":"q"},{"role":"assistant","content":"a, edited"},{"role":"user","content":"r"}]}"#,
+        );
+        let named = IdSource::SessionHeader;
+        assert!(continues(named, Some(same), Some(&s)));
+        assert!(!continues(named, Some(edited), Some(&s)));
+        // Keyed by its history, a request is its own check; nothing recorded, nothing to check.
+        assert!(continues(IdSource::History, Some(edited), Some(&s)));
+        assert!(continues(named, Some(edited), Some(&Session::new(0))));
+    }
 }

@@ -99,6 +99,8 @@ async fn completions(
         text,
         view: &view,
         conv: &id.conv,
+        source: id.source,
+        history: id.history,
         turn: id.features.turn,
         n_in: id.features.n_in,
         started,

@@ -17,6 +17,7 @@
 
 pub mod admin;
 mod admission;
+mod answer;
 pub mod body;
 mod bookkeeping;
 pub mod config;

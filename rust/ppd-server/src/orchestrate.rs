@@ -12,6 +12,7 @@ use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use ppd_core::identity::{History, IdSource};
 use ppd_core::request::RequestView;
 use ppd_core::Role;
 
@@ -34,6 +35,8 @@ pub(crate) struct Call<'a> {
     pub text: &'a str,
     pub view: &'a RequestView<'a>,
     pub conv: &'a str,
+    pub source: IdSource,
+    pub history: Option<History>,
     pub turn: u32,
     pub n_in: u32,
     pub started: Instant,
@@ -293,13 +296,7 @@ impl Run<'_> {
         let status = resp.status();
         if status.is_server_error() {
             let mut answer = upstream::error_answer(st, status, resp).await;
-            route_headers(
-                &mut answer,
-                route,
-                self.call.conv,
-                &d,
-                st.cfg.expose_node_header,
-            );
+            route_headers(&mut answer, route, self.call.conv, &d, &st.cfg);
             return self.node_failed(&d, "status_5xx", answer);
         }
         if !status.is_success() {
@@ -308,18 +305,14 @@ impl Run<'_> {
                 s.handed_over();
             }
             let mut out = upstream::error_answer(st, status, resp).await;
-            route_headers(
-                &mut out,
-                route,
-                self.call.conv,
-                &d,
-                st.cfg.expose_node_header,
-            );
+            route_headers(&mut out, route, self.call.conv, &d, &st.cfg);
             return Ok(self.fail(out));
         }
         let ticket = Ticket {
             state: Arc::clone(st),
             conv: self.call.conv.to_owned(),
+            source: self.call.source,
+            history: self.call.history,
             turn: self.call.turn,
             n_in: self.call.n_in,
             route: *route,
@@ -374,13 +367,7 @@ impl Run<'_> {
                 }
             }
         };
-        route_headers(
-            &mut out,
-            route,
-            self.call.conv,
-            &d,
-            st.cfg.expose_node_header,
-        );
+        route_headers(&mut out, route, self.call.conv, &d, &st.cfg);
         Ok(out)
     }
 }

@@ -10,22 +10,24 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use ppd_core::identity::ContentHasher;
 use ppd_core::Route;
 
 use crate::body::answer_without_router_fields;
 use crate::bookkeeping::{Counted, Ticket};
+use crate::config::{RouteHeaders, RouterConfig};
 use crate::registry::{InflightGuard, Node};
 use crate::sse::{classify, without_router_fields, EventKind, EventSplitter, Pass, Usage};
 use crate::upstream::read_all;
 
-/// Marks the answer as routed and says how: `x-ppd-path`, `x-ppd-reason`,
-/// `x-ppd-session`, `x-ppd-node`.
+/// Marks the answer as routed and says how, as far as `route_headers`
+/// allows: `x-ppd-path`, `x-ppd-reason`, `x-ppd-session`, `x-ppd-node`.
 pub(crate) fn route_headers(
     resp: &mut Response,
     route: &Route,
     conv: &str,
     node: &Node,
-    expose_node: bool,
+    cfg: &RouterConfig,
 ) {
     resp.extensions_mut().insert(Counted);
     // Names as constants: a `&str` name is parsed on every insert.
@@ -33,14 +35,20 @@ pub(crate) fn route_headers(
     const REASON: HeaderName = HeaderName::from_static("x-ppd-reason");
     const SESSION: HeaderName = HeaderName::from_static("x-ppd-session");
     const NODE: HeaderName = HeaderName::from_static("x-ppd-node");
+    if cfg.route_headers == RouteHeaders::None {
+        return;
+    }
     let h = resp.headers_mut();
     h.insert(PATH, HeaderValue::from_static(route.path.as_str()));
+    if cfg.route_headers == RouteHeaders::Path {
+        return;
+    }
     h.insert(REASON, HeaderValue::from_static(route.reason.as_str()));
     if let Ok(v) = HeaderValue::from_str(conv) {
         h.insert(SESSION, v);
     }
     // A node's address is internal: only an operator who asks for it gets it.
-    if expose_node {
+    if cfg.expose_node_header {
         if let Some(v) = &node.url_header {
             h.insert(NODE, v.clone());
         }
@@ -56,22 +64,16 @@ pub(crate) async fn whole(
 ) -> Option<Response> {
     let content_type = resp.headers().get(CONTENT_TYPE).cloned();
     let bytes = read_all(&ticket.state, resp).await?;
-    #[derive(serde::Deserialize)]
-    struct WithUsage {
-        #[serde(default)]
-        usage: Option<Usage>,
-        /// A bidirectional D's pin, for the next turn's pull.
-        #[serde(default)]
-        kv_transfer_params: Option<serde_json::Value>,
-    }
-    let (usage, pin) = serde_json::from_slice::<WithUsage>(&bytes)
-        .map(|u| (u.usage, u.kv_transfer_params))
-        .unwrap_or_default();
-    if let Some(pin) = pin.filter(|_| ticket.state.cfg.bidirectional_kv_xfer) {
-        ticket.record_pin(&pin);
+    let answer = crate::answer::whole(&bytes);
+    if let Some(pin) = answer
+        .pin
+        .as_ref()
+        .filter(|_| ticket.state.cfg.bidirectional_kv_xfer)
+    {
+        ticket.record_pin(pin, answer.digest);
     }
     let end = Instant::now();
-    ticket.finish(usage, Some(end), end);
+    ticket.finish(answer.usage, answer.digest, Some(end), end);
     drop(inflight);
     let bytes = answer_without_router_fields(&bytes).map_or(bytes, Bytes::from);
     let mut r = Response::new(Body::from(bytes));
@@ -104,6 +106,8 @@ pub(crate) struct Relay {
     splitter: EventSplitter,
     drop_usage: bool,
     usage: Option<Usage>,
+    /// The answer's text so far, hashed (for a chat's next-turn key).
+    answer: Option<ContentHasher>,
     first_token: Option<Instant>,
     ticket: Option<Ticket>,
     done: bool,
@@ -131,6 +135,7 @@ impl Relay {
             splitter: EventSplitter::default(),
             drop_usage,
             usage: None,
+            answer: ticket.history.is_some().then(ContentHasher::new),
             first_token: None,
             ticket: Some(ticket),
             done: false,
@@ -178,6 +183,7 @@ impl Relay {
             splitter,
             drop_usage,
             usage,
+            answer,
             first_token,
             ticket,
             ..
@@ -196,6 +202,9 @@ impl Relay {
                     }
                     if u.is_some() {
                         *usage = u;
+                    }
+                    if let Some(h) = answer.as_mut() {
+                        crate::answer::feed_event(ev, h);
                     }
                 }
                 EventKind::Error => {
@@ -251,7 +260,8 @@ impl Stream for Relay {
                     this.done = true;
                     let rest = this.splitter.take_rest();
                     if let Some(t) = this.ticket.take() {
-                        t.finish(this.usage, this.first_token, Instant::now());
+                        let answer = this.answer.as_ref().map(ContentHasher::digest);
+                        t.finish(this.usage, answer, this.first_token, Instant::now());
                     }
                     return Poll::Ready(rest.map(Ok));
                 }
@@ -274,9 +284,14 @@ impl Stream for Relay {
 impl Drop for Relay {
     fn drop(&mut self) {
         // The client went away before the end: dropping the upstream stream
-        // closes its connection, which aborts the request on the node.
+        // closes its connection, which aborts the request on the node. After
+        // a first token D holds the prompt's KV, so the session keeps it.
         if let Some(t) = self.ticket.take() {
-            t.count(499);
+            if self.first_token.is_some() {
+                t.abort(self.answer.as_ref().map(ContentHasher::digest));
+            } else {
+                t.count(499);
+            }
         }
     }
 }

@@ -122,6 +122,7 @@ pub(crate) fn plan(
         d_available: holder.as_ref().is_some_and(|n| n.available(now)),
         d_overloaded: holder.as_ref().is_some_and(|n| overloaded(st, n, now)),
         residency: residency(id, holder.as_deref()),
+        prefix_ok: id.prefix_ok,
         d_local_capable: holder.as_ref().is_some_and(|n| n.role.local_capable()),
         replica_share: st.replica_share(),
         session_on_replica: holder.as_ref().is_some_and(|n| n.role == Role::R),

@@ -60,6 +60,35 @@ fn single_data_line(event: &[u8]) -> Option<&[u8]> {
         .then_some(data)
 }
 
+/// The data lines of an event, joined by newlines; an event almost always
+/// has exactly one, which is borrowed rather than copied. `None` without any.
+fn joined_data(text: &str) -> Option<Cow<'_, str>> {
+    let mut lines = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data:"))
+        .map(|rest| rest.strip_prefix(' ').unwrap_or(rest));
+    match (lines.next(), lines.next()) {
+        (None, _) => None,
+        (Some(one), None) => Some(Cow::Borrowed(one)),
+        (Some(a), Some(b)) => {
+            let mut s = format!("{a}\n{b}");
+            for rest in lines {
+                s.push('\n');
+                s.push_str(rest);
+            }
+            Some(Cow::Owned(s))
+        }
+    }
+}
+
+/// The data of an event (its data lines joined), for readers of its JSON.
+pub fn event_data(event: &[u8]) -> Option<Cow<'_, str>> {
+    if let Some(data) = single_data_line(event) {
+        return std::str::from_utf8(data).ok().map(Cow::Borrowed);
+    }
+    joined_data(std::str::from_utf8(event).ok()?)
+}
+
 pub fn classify(event: &[u8]) -> EventKind {
     let text = match std::str::from_utf8(event) {
         Ok(t) => t,
@@ -72,23 +101,8 @@ pub fn classify(event: &[u8]) -> EventKind {
             return EventKind::Data { usage: None };
         }
     }
-    // The data lines, joined by newlines; an event almost always has exactly
-    // one, which is borrowed rather than copied.
-    let mut lines = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("data:"))
-        .map(|rest| rest.strip_prefix(' ').unwrap_or(rest));
-    let data: Cow<'_, str> = match (lines.next(), lines.next()) {
-        (None, _) => return EventKind::Other,
-        (Some(one), None) => Cow::Borrowed(one),
-        (Some(a), Some(b)) => {
-            let mut s = format!("{a}\n{b}");
-            for rest in lines {
-                s.push('\n');
-                s.push_str(rest);
-            }
-            Cow::Owned(s)
-        }
+    let Some(data) = joined_data(text) else {
+        return EventKind::Other;
     };
     let data = data.trim();
     if data.is_empty() {

@@ -1,0 +1,140 @@
+//! The answer's text as the client will present it in its next turn's history (choice 0's content), hashed as it passes, never buffered.
+
+use serde::Deserialize;
+use std::borrow::Cow;
+
+use ppd_core::identity::ContentHasher;
+
+use crate::sse::Usage;
+
+#[derive(Deserialize)]
+struct Whole<'a> {
+    #[serde(default)]
+    usage: Option<Usage>,
+    #[serde(borrow, default)]
+    choices: Vec<Choice<'a>>,
+    /// A bidirectional D's pin (whole answers only), for the next turn's pull.
+    #[serde(borrow, default)]
+    kv_transfer_params: Option<&'a serde_json::value::RawValue>,
+}
+
+#[derive(Deserialize)]
+struct Choice<'a> {
+    #[serde(default)]
+    index: u32,
+    #[serde(borrow, default)]
+    message: Option<Text<'a>>,
+    #[serde(borrow, default)]
+    delta: Option<Text<'a>>,
+}
+
+#[derive(Deserialize)]
+struct Text<'a> {
+    #[serde(borrow, default)]
+    content: Option<Cow<'a, str>>,
+}
+
+/// What a whole (non-streamed) answer tells the bookkeeping.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub(crate) struct WholeAnswer {
+    pub usage: Option<Usage>,
+    /// The digest of choice 0's `message.content` (`None` when the body is
+    /// not an answer the router can read).
+    pub digest: Option<u128>,
+    /// The node's `kv_transfer_params`, when it sent any.
+    pub pin: Option<serde_json::Value>,
+}
+
+/// Reads usage and answer of a whole chat answer in one parse.
+pub(crate) fn whole(body: &[u8]) -> WholeAnswer {
+    let Ok(w) = serde_json::from_slice::<Whole<'_>>(body) else {
+        return WholeAnswer::default();
+    };
+    let digest = w.choices.iter().find(|c| c.index == 0).map(|c| {
+        let text = c.message.as_ref().and_then(|m| m.content.as_deref());
+        let mut h = ContentHasher::new();
+        h.update(text.unwrap_or(""));
+        h.digest()
+    });
+    WholeAnswer {
+        usage: w.usage,
+        digest,
+        pin: w
+            .kv_transfer_params
+            .and_then(|raw| serde_json::from_str(raw.get()).ok())
+            .filter(|v: &serde_json::Value| !v.is_null()),
+    }
+}
+
+/// Feeds what one stream event adds to choice 0's content.
+pub(crate) fn feed_event(event: &[u8], into: &mut ContentHasher) {
+    let Some(data) = crate::sse::event_data(event) else {
+        return;
+    };
+    let Ok(chunk) = serde_json::from_str::<Whole<'_>>(data.trim()) else {
+        return;
+    };
+    for c in chunk.choices.iter().filter(|c| c.index == 0) {
+        if let Some(text) = c.delta.as_ref().and_then(|d| d.content.as_deref()) {
+            into.update(text);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ppd_core::request::ContentText;
+
+    #[test]
+    fn a_streamed_answer_and_a_whole_one_give_the_same_digest() {
+        let whole_body = br#"{"id":"x","choices":[{"index":0,"message":{"role":"assistant","content":"hi \"there\" \u00e9"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":4}}"#;
+        let w = whole(whole_body);
+        assert_eq!(
+            w.usage,
+            Some(Usage {
+                prompt_tokens: 3,
+                completion_tokens: 4
+            })
+        );
+        let mut h = ContentHasher::new();
+        for ev in [
+            &b"data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n"[..],
+            b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi \\\"the\"}}]}\n\n",
+            b": keep-alive\n\n",
+            b"data: {\"choices\":[{\"index\":1,\"delta\":{\"content\":\"other choice\"}}]}\n\n",
+            b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"re\\\" \\u00e9\"}}]}\n\n",
+            b"data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n",
+            b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":4}}\n\n",
+            b"data: [DONE]\n\n",
+        ] {
+            feed_event(ev, &mut h);
+        }
+        assert_eq!(w.digest, Some(h.digest()));
+        assert_eq!(
+            w.digest,
+            Some(ContentHasher::of(&ContentText::One(
+                "hi \"there\" é".into()
+            )))
+        );
+    }
+
+    #[test]
+    fn a_multi_line_event_is_read_like_a_single_line_one() {
+        let mut a = ContentHasher::new();
+        feed_event(
+            b"data: {\"choices\":[{\"delta\":\ndata: {\"content\":\"x\"}}]}\n\n",
+            &mut a,
+        );
+        let mut b = ContentHasher::new();
+        b.update("x");
+        assert_eq!(a.digest(), b.digest());
+    }
+
+    #[test]
+    fn a_tool_call_answer_without_content_is_the_empty_text() {
+        let w = whole(br#"{"choices":[{"index":0,"message":{"role":"assistant","content":null,"tool_calls":[]}}]}"#);
+        assert_eq!(w.digest, Some(ContentHasher::of(&ContentText::Empty)));
+        assert_eq!(whole(b"not json").digest, None);
+    }
+}
