@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import httpx
 import pytest
@@ -91,6 +91,28 @@ class Cluster:
                 n.kill()
 
 
+def kill_all(nodes: dict[str, list[Node]]) -> None:
+    for ns in nodes.values():
+        for n in ns:
+            n.kill()
+
+
+def router_over(nodes: dict[str, list[Node]], spec: Callable[[Node], str] = lambda n: n.url, **cfg: Any) -> Cluster:
+    """A started router in front of ``nodes`` (by layout kind; ``spec`` names a node in the router's node
+    lists), with the tests' defaults and ``cfg`` over them; the nodes are killed if it does not start."""
+    keys = {"P": "prefill", "pD": "pd_capable", "D": "decode", "R": "replica"}
+    try:
+        settings: dict[str, Any] = {keys[k]: [spec(n) for n in v] for k, v in nodes.items()}
+        settings.update({"port": free_port(), "admin_token": "secret", "health_interval": 0.5,
+                         "expose_node_header": True, **cfg})
+        router = Router(json.dumps(settings))
+        url = router.start()
+    except Exception:
+        kill_all(nodes)
+        raise
+    return Cluster(nodes, router, url)
+
+
 def start_cluster(layout: dict[str, int], **cfg: Any) -> Cluster:
     """layout: {"P": 1, "pD": 2, "D": 0, "R": 0}; cfg: router settings."""
     roles = {"P": "P", "pD": "D", "D": "D", "R": "R"}
@@ -98,18 +120,10 @@ def start_cluster(layout: dict[str, int], **cfg: Any) -> Cluster:
     try:
         for kind, n in layout.items():
             nodes[kind] = [start_node(roles[kind]) for _ in range(n)]
-        keys = {"P": "prefill", "pD": "pd_capable", "D": "decode", "R": "replica"}
-        settings: dict[str, Any] = {keys[k]: [n.url for n in v] for k, v in nodes.items()}
-        settings.update({"port": free_port(), "admin_token": "secret", "health_interval": 0.5,
-                         "expose_node_header": True, **cfg})
-        router = Router(json.dumps(settings))
-        url = router.start()
     except Exception:
-        for ns in nodes.values():
-            for n in ns:
-                n.kill()
+        kill_all(nodes)
         raise
-    return Cluster(nodes, router, url)
+    return router_over(nodes, **cfg)
 
 
 @pytest.fixture

@@ -10,37 +10,23 @@ from typing import Any
 
 import httpx
 
-from ppd_router import Router
-from tests.helpers import answer_text, assistant, free_port, user
-from tests.router.conftest import Cluster, start_node
+from tests.helpers import answer_text, assistant, user
+from tests.router.conftest import Cluster, Node, kill_all, router_over, start_node
 
 BIDIRECTIONAL = json.dumps({"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": 60})
 
 
 def start(n_pd: int = 1, **cfg: Any) -> Cluster:
-    nodes = {"P": [start_node("P", "--kv-connector-extra-config", BIDIRECTIONAL)], "pD": []}
+    """1 P + n_pd pD emulated nodes with bidirectional transfer, and a router that pulls."""
+    nodes: dict[str, list[Node]] = {"P": [], "pD": []}
     try:
+        nodes["P"].append(start_node("P", "--kv-connector-extra-config", BIDIRECTIONAL))
         for _ in range(n_pd):
             nodes["pD"].append(start_node("D", "--kv-connector-extra-config", BIDIRECTIONAL))
-        settings = {
-            "prefill": [n.url for n in nodes["P"]],
-            "pd_capable": [n.url for n in nodes["pD"]],
-            "port": free_port(),
-            "admin_token": "secret",
-            "health_interval": 0.5,
-            "expose_node_header": True,
-            "bidirectional_kv_xfer": True,
-            "decoder_kv_blocks_ttl": 60,
-            **cfg,
-        }
-        router = Router(json.dumps(settings))
-        url = router.start()
     except Exception:
-        for ns in nodes.values():
-            for n in ns:
-                n.kill()
+        kill_all(nodes)
         raise
-    return Cluster(nodes, router, url)
+    return router_over(nodes, **{"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": 60, **cfg})
 
 
 def by_source(url: str, source: str) -> float:

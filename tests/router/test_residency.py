@@ -4,7 +4,6 @@ local, a restarted node's index empties, and a broken publisher is counted, neve
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, Callable
 
@@ -12,9 +11,8 @@ import httpx
 import msgpack
 import zmq
 
-from ppd_router import Router
 from tests.helpers import answer_text, assistant, free_port, user
-from tests.router.conftest import Cluster, Node, start_node
+from tests.router.conftest import Cluster, Node, kill_all, router_over, start_node
 
 
 def wait_for(what: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -27,32 +25,23 @@ def wait_for(what: Callable[[], bool], timeout: float = 10.0) -> None:
 def start(n_pd: int = 2, node_args: tuple[str, ...] = (), **cfg: Any) -> tuple[Cluster, dict[str, str]]:
     """1 P + n_pd pD emulated nodes publishing KV events, and a router subscribed to them."""
     endpoints: dict[str, str] = {}
-    nodes: dict[str, list[Node]] = {"P": [start_node("P")], "pD": []}
+    nodes: dict[str, list[Node]] = {"P": [], "pD": []}
     try:
+        nodes["P"].append(start_node("P"))
         for _ in range(n_pd):
             ep = f"tcp://127.0.0.1:{free_port()}"
             node = start_node("D", "--kv-events-endpoint", ep, *node_args)
             nodes["pD"].append(node)
             endpoints[node.url] = ep
-        settings = {
-            "prefill": [nodes["P"][0].url],
-            "pd_capable": [f"{url};kv_events={ep}" for url, ep in endpoints.items()],
-            "prompt_renderer": "word-rule",
-            "port": free_port(),
-            "admin_token": "secret",
-            "health_interval": 0.5,
-            "load_interval": 0.2,
-            "expose_node_header": True,
-            **cfg,
-        }
-        router = Router(json.dumps(settings))
-        url = router.start()
     except Exception:
-        for ns in nodes.values():
-            for n in ns:
-                n.kill()
+        kill_all(nodes)
         raise
-    return Cluster(nodes, router, url), endpoints
+
+    def spec(n: Node) -> str:
+        return f"{n.url};kv_events={endpoints[n.url]}" if n.url in endpoints else n.url
+
+    settings = {"prompt_renderer": "word-rule", "load_interval": 0.2, **cfg}
+    return router_over(nodes, spec, **settings), endpoints
 
 
 def residency_of(c: Cluster, messages: list[dict[str, str]]) -> dict[str, Any]:

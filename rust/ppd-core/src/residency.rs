@@ -5,7 +5,7 @@
 //! cannot recompute the node's own hashes. It does not need to: every
 //! `BlockStored` event carries the block's token ids and its parent's hash.
 //! The index keys each block by a chained hash of its tokens of its own
-//! ([`chain`]) and keeps the node's hash only to find parents and removals,
+//! ([`block_hash`]) and keeps the node's hash only to find parents and removals,
 //! as NVIDIA Dynamo's KV router does. A prompt's resident prefix is then the
 //! number of its leading full blocks whose chained hashes the node holds —
 //! the same block-aligned count vLLM reports as `cached_tokens`.
@@ -67,18 +67,6 @@ fn hash_into(buf: &mut Vec<u8>, parent: u64, tokens: &[u64]) -> u64 {
         dst.copy_from_slice(&((t as u32) ^ ((t >> 32) as u32)).to_le_bytes());
     }
     xxh3_64_with_seed(buf, SEED)
-}
-
-/// The chained hashes of `tokens`' full blocks (a trailing partial block has none, as in vLLM).
-pub fn chain(tokens: &[u64], block_size: u32, out: &mut Vec<u64>) {
-    out.clear();
-    let bs = block_size.max(1) as usize;
-    let mut buf = Vec::with_capacity(8 + 4 * bs);
-    let mut parent = 0u64;
-    for block in tokens.chunks_exact(bs) {
-        parent = hash_into(&mut buf, parent, block);
-        out.push(parent);
-    }
 }
 
 /// One node's cached blocks (bytes per block: see [`BlockIndex::BYTES_PER_BLOCK`]).
@@ -170,7 +158,7 @@ impl BlockIndex {
         }
     }
 
-    /// Leading blocks of `chain` (from [`chain`] at this node's block size) held here.
+    /// Leading blocks of `chain` (chained hashes at this node's block size) held here.
     pub fn leading_blocks(&self, chain: &[u64]) -> usize {
         chain
             .iter()
