@@ -11,6 +11,8 @@
 //! the same block-aligned count vLLM reports as `cached_tokens`.
 
 use ahash::AHashMap;
+use std::collections::HashSet;
+use std::hash::{BuildHasherDefault, Hasher};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// One KV event of a node, decoded (the node's own block hashes reduced to 64 bits).
@@ -48,25 +50,53 @@ const SEED: u64 = 0x7070_645f_6b76;
 
 /// The chained hash of a block: its parent's chained hash and its tokens.
 pub fn block_hash(parent: u64, tokens: &[u64]) -> u64 {
-    hash_into(
-        &mut Vec::with_capacity(8 + 4 * tokens.len()),
-        parent,
-        tokens,
-    )
+    hash_into(&mut Vec::with_capacity(4 * tokens.len()), parent, tokens)
 }
 
-/// [`block_hash`] in one pass over a reused buffer. A token goes in as 4
-/// bytes (its two halves folded): exact for every tokenizer's ids, which fit
-/// in 32 bits, and half the bytes to hash — hashing is most of a lookup's
-/// cost (bench/results/core.md).
+/// [`block_hash`] over a reused buffer, in two steps: the block's tokens are
+/// hashed on their own, then that hash is chained to the parent's by a
+/// cheap mixing step. Only the short second step depends on the previous
+/// block, so the CPU hashes consecutive blocks in parallel instead of
+/// waiting on each parent (bench/results/core.md has the lookup's time);
+/// hashing is most of a lookup's cost. A token goes in as 4 bytes (its two
+/// halves folded): exact for every tokenizer's ids, which fit in 32 bits.
+#[inline]
 fn hash_into(buf: &mut Vec<u8>, parent: u64, tokens: &[u64]) -> u64 {
-    buf.resize(8 + 4 * tokens.len(), 0);
-    let (head, rest) = buf.split_at_mut(8);
-    head.copy_from_slice(&parent.to_le_bytes());
-    for (dst, &t) in rest.chunks_exact_mut(4).zip(tokens) {
+    buf.resize(4 * tokens.len(), 0);
+    for (dst, &t) in buf.chunks_exact_mut(4).zip(tokens) {
         dst.copy_from_slice(&((t as u32) ^ ((t >> 32) as u32)).to_le_bytes());
     }
-    xxh3_64_with_seed(buf, SEED)
+    let content = xxh3_64_with_seed(buf, SEED);
+    chain_step(parent, content)
+}
+
+/// Joins a block's content hash to its parent's chained hash: two multiplies
+/// (murmur3's finalizer, a bijection, over content xor a scrambled parent),
+/// cheaper than a second xxh3 call on the path every lookup waits on.
+#[inline]
+fn chain_step(parent: u64, content: u64) -> u64 {
+    let mut x = content ^ parent.rotate_left(29).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    x ^ (x >> 33)
+}
+
+/// Members of `present` are already hashes: use them as they are.
+#[derive(Default)]
+struct Prehashed(u64);
+
+impl Hasher for Prehashed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, _: &[u8]) {
+        unreachable!("only u64 keys")
+    }
+    fn write_u64(&mut self, h: u64) {
+        self.0 = h;
+    }
 }
 
 /// One node's cached blocks (bytes per block: see [`BlockIndex::BYTES_PER_BLOCK`]).
@@ -74,17 +104,20 @@ fn hash_into(buf: &mut Vec<u8>, parent: u64, tokens: &[u64]) -> u64 {
 pub struct BlockIndex {
     /// The node's block hash → our chained hash of the same block.
     by_node_hash: AHashMap<u64, u64>,
-    /// Our chained hashes present, with how many node hashes name each (a
-    /// node can hold the same content twice, e.g. in two KV-cache groups).
-    present: AHashMap<u64, u32>,
+    /// Our chained hashes present: the set a lookup probes, 8 bytes a block
+    /// so that a large node's set stays in a core's cache.
+    present: HashSet<u64, BuildHasherDefault<Prehashed>>,
+    /// How many more node hashes name a present block than one (a node can
+    /// hold the same content twice, e.g. in two KV-cache groups; rare).
+    also_named: AHashMap<u64, u32>,
     block_size: u32,
 }
 
 impl BlockIndex {
-    /// Memory of one cached block in the index: two hash-map entries (16 +
-    /// 12 bytes) at the maps' load factor, with control bytes (measured 71
-    /// bytes over 1,000,000 blocks, bench/results/core.md).
-    pub const BYTES_PER_BLOCK: usize = 72;
+    /// Memory of one cached block in the index: a 16-byte map entry and an
+    /// 8-byte set entry at the tables' load factor, with control bytes
+    /// (`examples/residency_rss.rs` measures it; bench/results/core.md).
+    pub const BYTES_PER_BLOCK: usize = 56;
 
     /// The block size of the node's events (0 until the first `Stored`).
     pub fn block_size(&self) -> u32 {
@@ -118,6 +151,7 @@ impl BlockIndex {
             KvEvent::Cleared => {
                 self.by_node_hash.clear();
                 self.present.clear();
+                self.also_named.clear();
                 Applied::Cleared
             }
         }
@@ -140,7 +174,9 @@ impl BlockIndex {
             ours = hash_into(&mut buf, ours, block);
             // vLLM re-announces blocks a request reused from the cache: idempotent.
             if self.by_node_hash.insert(*node_hash, ours).is_none() {
-                *self.present.entry(ours).or_insert(0) += 1;
+                if !self.present.insert(ours) {
+                    *self.also_named.entry(ours).or_insert(0) += 1;
+                }
             }
         }
         Applied::Ok
@@ -150,9 +186,12 @@ impl BlockIndex {
         let Some(ours) = self.by_node_hash.remove(&node_hash) else {
             return;
         };
-        if let Some(n) = self.present.get_mut(&ours) {
-            *n -= 1;
-            if *n == 0 {
+        match self.also_named.get_mut(&ours) {
+            Some(n) if *n > 1 => *n -= 1,
+            Some(_) => {
+                self.also_named.remove(&ours);
+            }
+            None => {
                 self.present.remove(&ours);
             }
         }
@@ -162,7 +201,7 @@ impl BlockIndex {
     pub fn leading_blocks(&self, chain: &[u64]) -> usize {
         chain
             .iter()
-            .take_while(|h| self.present.contains_key(h))
+            .take_while(|h| self.present.contains(h))
             .count()
     }
 
@@ -181,7 +220,7 @@ impl BlockIndex {
         // Hash a group of blocks, then look the group up: the lookups (cache
         // misses in a large index) overlap instead of waiting on each hash,
         // and a miss ends the walk after at most one group.
-        const GROUP: usize = 16;
+        const GROUP: usize = 32;
         let mut group = [0u64; GROUP];
         let mut parent = 0u64;
         let mut blocks = 0;
@@ -300,6 +339,21 @@ mod tests {
         idx.apply(&KvEvent::Removed { hashes: vec![1] });
         assert!(idx.is_empty());
         assert_eq!(idx.leading_blocks(&[block_hash(0, &toks)]), 0);
+    }
+
+    #[test]
+    fn content_named_twice_stays_until_both_names_go() {
+        let mut idx = BlockIndex::default();
+        let toks: Vec<u64> = (0..4).collect();
+        stored(&mut idx, &[1], None, &toks, 4);
+        stored(&mut idx, &[2], None, &toks, 4);
+        let chain = [block_hash(0, &toks)];
+        idx.apply(&KvEvent::Removed { hashes: vec![1] });
+        assert_eq!(idx.leading_blocks(&chain), 1, "still named by 2");
+        idx.apply(&KvEvent::Removed { hashes: vec![2] });
+        assert_eq!(idx.leading_blocks(&chain), 0);
+        stored(&mut idx, &[3], None, &toks, 4);
+        assert_eq!(idx.leading_blocks(&chain), 1, "named again after both went");
     }
 
     proptest! {
