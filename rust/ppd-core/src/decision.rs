@@ -7,19 +7,24 @@
 //! pull; a pull handle on pull. Table, weights and policy swap atomically while
 //! requests are being decided.
 
-use arc_swap::ArcSwap;
+use arc_swap::{ArcSwap, ArcSwapOption};
 use std::sync::Arc;
 
+use crate::cost::CostModel;
 use crate::error::Error;
 use crate::policy::fraction::unit_interval;
-use crate::policy::{ppd::score, Policy, PolicyKind};
-use crate::route::{DecisionInput, Path, Reason, Residency, Route, Scored, Weights};
+use crate::policy::{ppd::score, Context, Policy, PolicyKind, Slo};
+use crate::route::{DecisionInput, Path, Reason, Route, Scored, Weights};
 use crate::table::Table;
 
 pub struct DecisionEngine {
     table: ArcSwap<Table>,
     weights: ArcSwap<Weights>,
     policy: ArcSwap<Box<dyn Policy>>,
+    /// The cost model of policies that predict (`ppd-live`); none: they use the table.
+    cost: ArcSwapOption<CostModel>,
+    /// SLO mode of `ppd-live` (none: Equation 1 with the weights).
+    slo: ArcSwap<Option<Slo>>,
 }
 
 impl DecisionEngine {
@@ -28,7 +33,24 @@ impl DecisionEngine {
             table: ArcSwap::from_pointee(table),
             weights: ArcSwap::from_pointee(weights),
             policy: ArcSwap::from_pointee(policy.build()),
+            cost: ArcSwapOption::empty(),
+            slo: ArcSwap::from_pointee(None),
         }
+    }
+
+    /// The cost model `ppd-live` predicts with (the same one for the whole
+    /// engine's life: its corrections accumulate in it).
+    pub fn set_cost_model(&self, m: Arc<CostModel>) {
+        self.cost.store(Some(m));
+    }
+    pub fn cost_model(&self) -> Option<Arc<CostModel>> {
+        self.cost.load_full()
+    }
+    pub fn set_slo(&self, slo: Option<Slo>) {
+        self.slo.store(Arc::new(slo));
+    }
+    pub fn slo(&self) -> Option<Slo> {
+        **self.slo.load()
     }
 
     pub fn table(&self) -> Arc<Table> {
@@ -67,6 +89,7 @@ impl DecisionEngine {
                 path: Path::Replica,
                 reason: Reason::ReplicaPolicy,
                 scored: None,
+                forecast: None,
             });
         }
         let unscored = |path, reason| {
@@ -74,6 +97,7 @@ impl DecisionEngine {
                 path,
                 reason,
                 scored: None,
+                forecast: None,
             })
         };
         if input.session_on_replica && input.turn > 1 {
@@ -87,11 +111,16 @@ impl DecisionEngine {
         }
         let w = **self.weights.load();
         let scored = score_in(&self.table.load(), input, w);
+        let forecast = match (policy.predicts(), input.live, self.cost.load().as_deref()) {
+            (true, Some(live), Some(m)) => Some(m.forecast(input.n_ctx, input.n_in, &live)),
+            _ => None,
+        };
         let early = |reason| {
             Ok(Route {
                 path: Path::Pd,
                 reason,
                 scored: Some(scored),
+                forecast,
             })
         };
         if !input.has_session {
@@ -100,32 +129,21 @@ impl DecisionEngine {
         if !input.d_available {
             return early(Reason::DUnavailable);
         }
-        let (path, reason) = policy.choose(input, &scored, w);
-        // Both reuse D's copy of the context: local computes on D, pull reads
-        // it from D. Only local computes there (decode-only, overload).
-        let reuses = matches!(path, Path::Local | Path::Pull);
-        if path == Path::Local && !input.d_local_capable {
-            return early(Reason::DecodeOnly);
-        }
-        if reuses && !input.prefix_ok {
-            return early(Reason::PrefixMismatch);
-        }
-        if reuses && input.residency == Residency::Lost {
-            return early(Reason::KvLost);
-        }
-        if reuses && input.residency.too_little_of(input.n_ctx) {
-            return early(Reason::NotResident);
-        }
-        if path == Path::Local && input.d_overloaded {
-            return early(Reason::DOverloaded);
-        }
-        if path == Path::Pull && !input.pull_ready {
-            return early(Reason::NoPullHandle);
+        let (path, reason) = policy.choose(&Context {
+            input,
+            scored: &scored,
+            weights: w,
+            slo: self.slo(),
+            forecast: forecast.as_ref(),
+        });
+        if let Some(veto) = input.veto(path) {
+            return early(veto);
         }
         Ok(Route {
             path,
             reason,
             scored: Some(scored),
+            forecast,
         })
     }
 }
@@ -145,7 +163,7 @@ fn score_in(table: &Table, input: &DecisionInput, w: Weights) -> Scored {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::route::MIN_RESIDENT_CHECK_TOKENS;
+    use crate::route::{Residency, MIN_RESIDENT_CHECK_TOKENS};
     use crate::table::tests::{cell, doc_with, m};
     use proptest::prelude::*;
 

@@ -5,7 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use ppd_core::Error;
+use crate::error::Error;
 
 /// Time of one engine step (one forward pass over the scheduled batch), in ms.
 ///

@@ -1,6 +1,6 @@
 //! Engine profiles by name — the built-in calibrated one and its NIXL variant — or a TOML file by path.
 
-use ppd_core::Error;
+use crate::error::Error;
 
 use crate::profile::Profile;
 

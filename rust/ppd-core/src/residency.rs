@@ -173,10 +173,8 @@ impl BlockIndex {
         for (node_hash, block) in hashes.iter().zip(tokens.chunks_exact(bs as usize)) {
             ours = hash_into(&mut buf, ours, block);
             // vLLM re-announces blocks a request reused from the cache: idempotent.
-            if self.by_node_hash.insert(*node_hash, ours).is_none() {
-                if !self.present.insert(ours) {
-                    *self.also_named.entry(ours).or_insert(0) += 1;
-                }
+            if self.by_node_hash.insert(*node_hash, ours).is_none() && !self.present.insert(ours) {
+                *self.also_named.entry(ours).or_insert(0) += 1;
             }
         }
         Applied::Ok

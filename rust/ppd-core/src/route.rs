@@ -3,6 +3,7 @@
 //! These types live apart from [`crate::decision`] so that policies depend on
 //! them without depending on the engine that runs the policies.
 
+use crate::cost::{Forecast, LiveView};
 use crate::error::Error;
 use crate::grid::GridPoint;
 
@@ -109,10 +110,27 @@ pub enum Reason {
     /// turn ended with (the client edited it, or stripped reasoning traces):
     /// the session's D holds another prefix than the one the prompt needs.
     PrefixMismatch,
+    /// `ppd-live`, weights: the path with the best Equation 1 score over the
+    /// cost model's predictions (TTFT gained, TPOT added to D's decodes).
+    CostModel,
+    /// `ppd-live`, SLO mode: the path under which most requests — this one
+    /// and those decoding beside it — are predicted to meet both SLOs.
+    SloGoodput,
+    /// An anchor's rule (Dynamo, llm-d) found the prompt's uncached part
+    /// small enough to prefill on the decode node.
+    ShortUncached,
+    /// An anchor's rule found the prompt's uncached part too large for the decode node.
+    LongUncached,
+    /// Dynamo's load rule: the prefill pool is busy, so the decode node prefills.
+    PrefillBusy,
+    /// Dynamo's load rule: the prefill pool has room, so it prefills.
+    PrefillIdle,
+    /// Dynamo's decode-busy gate: the decode node is too busy to prefill locally.
+    DecodeBusy,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 19] = [
+    pub const ALL: [Reason; 26] = [
         Reason::Turn1,
         Reason::NoSession,
         Reason::DUnavailable,
@@ -132,6 +150,13 @@ impl Reason {
         Reason::NotResident,
         Reason::NoPullHandle,
         Reason::PrefixMismatch,
+        Reason::CostModel,
+        Reason::SloGoodput,
+        Reason::ShortUncached,
+        Reason::LongUncached,
+        Reason::PrefillBusy,
+        Reason::PrefillIdle,
+        Reason::DecodeBusy,
     ];
     pub fn as_str(self) -> &'static str {
         match self {
@@ -154,6 +179,13 @@ impl Reason {
             Reason::NotResident => "not_resident",
             Reason::NoPullHandle => "no_pull_handle",
             Reason::PrefixMismatch => "prefix_mismatch",
+            Reason::CostModel => "cost_model",
+            Reason::SloGoodput => "slo_goodput",
+            Reason::ShortUncached => "short_uncached",
+            Reason::LongUncached => "long_uncached",
+            Reason::PrefillBusy => "prefill_busy",
+            Reason::PrefillIdle => "prefill_idle",
+            Reason::DecodeBusy => "decode_busy",
         }
     }
 }
@@ -220,6 +252,9 @@ pub struct DecisionInput {
     /// That D pins the conversation's blocks and the router can name them
     /// for a P to read (the pull path is feasible).
     pub pull_ready: bool,
+    /// The nodes' live state, for policies that predict (`None`: the router
+    /// has no snapshot, and those policies fall back to the table).
+    pub live: Option<LiveView>,
 }
 
 impl DecisionInput {
@@ -241,7 +276,47 @@ impl DecisionInput {
             replica_share: 0.0,
             session_on_replica: false,
             pull_ready: false,
+            live: None,
         }
+    }
+
+    /// Prompt tokens the session's D does not hold: what a local turn computes.
+    pub fn uncached_on_d(&self) -> u32 {
+        let prompt = self.n_ctx.saturating_add(self.n_in);
+        let cached = match (self.live, self.residency) {
+            (Some(l), _) => l.d_cached,
+            (None, Residency::Cached(t)) => t,
+            (None, Residency::Lost) => 0,
+            (None, Residency::Unknown) => self.n_ctx,
+        };
+        prompt.saturating_sub(cached.min(prompt))
+    }
+
+    /// Why `path` cannot serve this Turn 2+ request on its session's D, if
+    /// it cannot: the vetoes every policy's choice goes through.
+    pub fn veto(&self, path: Path) -> Option<Reason> {
+        // Both reuse D's copy of the context: local computes on D, pull reads
+        // it from D. Only local computes there (decode-only, overload).
+        let reuses = matches!(path, Path::Local | Path::Pull);
+        if path == Path::Local && !self.d_local_capable {
+            return Some(Reason::DecodeOnly);
+        }
+        if reuses && !self.prefix_ok {
+            return Some(Reason::PrefixMismatch);
+        }
+        if reuses && self.residency == Residency::Lost {
+            return Some(Reason::KvLost);
+        }
+        if reuses && self.residency.too_little_of(self.n_ctx) {
+            return Some(Reason::NotResident);
+        }
+        if path == Path::Local && self.d_overloaded {
+            return Some(Reason::DOverloaded);
+        }
+        if path == Path::Pull && !self.pull_ready {
+            return Some(Reason::NoPullHandle);
+        }
+        None
     }
 
     pub(crate) fn validate(&self) -> Result<(), Error> {
@@ -285,4 +360,6 @@ pub struct Route {
     pub reason: Reason,
     /// Present for Turn 2+ requests that reached the table.
     pub scored: Option<Scored>,
+    /// The cost model's predictions the decision saw (policies that predict).
+    pub forecast: Option<Forecast>,
 }

@@ -136,7 +136,7 @@ impl NodeConfig {
             role,
             host: "127.0.0.1".into(),
             port: 0,
-            profile: ppd_model::builtin::default_profile(),
+            profile: ppd_core::profiles::default_profile(),
             kv_link_gbps: None,
             max_num_seqs: None,
             max_num_batched_tokens: None,

@@ -410,6 +410,45 @@ impl Engine {
         }
     }
 
+    /// What a router sees of this engine for its cost model: the sequences
+    /// decoding, the prompt work queued ahead of a new request, the link, the cache.
+    pub fn load_view(&self) -> ppd_core::NodeView {
+        let mut v = ppd_core::NodeView {
+            waiting: self.waiting.len() as u32,
+            link_bytes: self.link.bytes_in_flight(),
+            kv_usage: self.pool.usage(),
+            token_budget: self.budget,
+            ..ppd_core::NodeView::default()
+        };
+        for &slot in &self.running {
+            let seq = self.seq(slot);
+            if seq.computed >= seq.prompt_len {
+                v.running += 1;
+                v.decode_ctx_tokens += u64::from(seq.computed);
+            } else {
+                v.queued_prefill_tokens += u64::from(seq.prompt_len - seq.computed);
+            }
+        }
+        for &slot in &self.waiting {
+            let seq = self.seq(slot);
+            v.queued_prefill_tokens += u64::from(seq.prompt_len.saturating_sub(seq.computed));
+        }
+        v
+    }
+
+    /// Leading tokens of `content`'s first `prompt_len` that the prefix cache
+    /// holds, capped as vLLM caps a hit (the last prompt token is computed).
+    pub fn cached_prefix(&self, content: &Content, prompt_len: u32) -> u32 {
+        let bs = self.bs as usize;
+        let max_hit = (prompt_len.saturating_sub(1) / self.bs) as usize;
+        let mut hashes = Vec::with_capacity(max_hit);
+        for j in 0..max_hit {
+            let parent = if j == 0 { 0 } else { hashes[j - 1] };
+            hashes.push(content.block_hash(j, parent, bs));
+        }
+        self.pool.match_prefix(&hashes) as u32 * self.bs
+    }
+
     /// Requests in the engine (running, waiting, pulling).
     pub fn in_flight(&self) -> usize {
         self.by_id.len()

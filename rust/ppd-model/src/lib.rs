@@ -6,14 +6,16 @@
 //! simulator ([`sim`]) runs many engines in virtual time with ppd-core's
 //! decision engine as the router. The router itself never links this crate.
 
-pub mod builtin;
 pub mod engine;
 pub mod kv;
 pub mod link;
-pub mod profile;
 pub mod sim;
 pub mod text;
 
-pub use builtin::{load_profile, DEFAULT_PROFILE, DEFAULT_PROFILE_NAME, NIXL_PROFILE_NAME};
+// The profile is ppd-core's (the router's cost model predicts with the same numbers).
 pub use engine::{Content, Engine, Event, Finish, Kind, Snapshot, Submit, SubmitError, Usage};
+pub use ppd_core::profile;
+pub use ppd_core::profiles::{
+    load_profile, DEFAULT_PROFILE, DEFAULT_PROFILE_NAME, NIXL_PROFILE_NAME,
+};
 pub use profile::{ApiModel, BatchShape, Harness, LinkModel, Profile, StepModel};

@@ -35,6 +35,11 @@ impl Link {
         }
     }
 
+    /// Bytes still to move over the link (transfers started or queued).
+    pub fn bytes_in_flight(&self) -> u64 {
+        self.active.iter().map(|x| x.remaining as u64).sum()
+    }
+
     pub fn in_flight(&self) -> usize {
         self.active.len()
     }

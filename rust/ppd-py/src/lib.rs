@@ -384,6 +384,7 @@ impl DecisionEngine {
             replica_share,
             session_on_replica,
             pull_ready,
+            live: None,
         };
         let route = self.inner.decide(&input).map_err(to_py)?;
         let table = self.inner.table();

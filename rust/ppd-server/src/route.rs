@@ -130,6 +130,7 @@ pub(crate) fn plan(
             && holder
                 .as_ref()
                 .is_some_and(|n| st.pulls.ready(&id.conv, (n.id, n.load.epoch()), now)),
+        live: None,
     };
     let route = st.engine.decide(&input)?;
     st.metrics.decision.observe(started.elapsed().as_secs_f64());

@@ -3,8 +3,8 @@
 //! Hashing (not a coin per request) keeps a conversation on one side for all
 //! its turns and makes the split reproducible across runs and processes.
 
-use super::{Policy, PolicyKind};
-use crate::route::{DecisionInput, Path, Reason, Scored, Weights};
+use super::{Context, Policy, PolicyKind};
+use crate::route::{Path, Reason};
 
 pub struct FractionPolicy {
     x: f64,
@@ -25,8 +25,8 @@ impl Policy for FractionPolicy {
     fn kind(&self) -> PolicyKind {
         PolicyKind::Fraction(self.x)
     }
-    fn choose(&self, input: &DecisionInput, _: &Scored, _: Weights) -> (Path, Reason) {
-        if unit_interval(input.conv_hash) < self.x {
+    fn choose(&self, c: &Context) -> (Path, Reason) {
+        if unit_interval(c.input.conv_hash) < self.x {
             (Path::Local, Reason::FractionLocal)
         } else {
             (Path::Pd, Reason::FractionPd)

@@ -1,7 +1,7 @@
 //! x ≡ 1, full append-prefill on D: every Turn 2+ request stays on its pD.
 
-use super::{Policy, PolicyKind};
-use crate::route::{DecisionInput, Path, Reason, Scored, Weights};
+use super::{Context, Policy, PolicyKind};
+use crate::route::{Path, Reason};
 
 pub struct LocalPolicy;
 
@@ -9,7 +9,7 @@ impl Policy for LocalPolicy {
     fn kind(&self) -> PolicyKind {
         PolicyKind::Local
     }
-    fn choose(&self, _: &DecisionInput, _: &Scored, _: Weights) -> (Path, Reason) {
+    fn choose(&self, _: &Context) -> (Path, Reason) {
         (Path::Local, Reason::Forced)
     }
 }

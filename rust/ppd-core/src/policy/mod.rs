@@ -3,34 +3,54 @@
 //! The engine settles everything common (Turn 1, unknown session, D gone, D
 //! overloaded) before and after a policy runs, so a policy is one small rule.
 
+mod anchors;
 pub mod fraction;
+mod live;
 mod local;
 mod pd;
 pub mod ppd;
 mod pull;
 mod replica;
 
+pub use anchors::{DynamoIslPolicy, DynamoLoadPolicy, LlmdThresholdPolicy};
 pub use fraction::FractionPolicy;
+pub use live::{LivePolicy, Slo};
 pub use local::LocalPolicy;
 pub use pd::PdPolicy;
 pub use ppd::PpdPolicy;
 pub use pull::PullPolicy;
 pub use replica::ReplicaPolicy;
 
+use crate::cost::Forecast;
 use crate::error::Error;
 use crate::route::{DecisionInput, Path, Reason, Scored, Weights};
+
+/// What a policy decides on: the request, its table cell, the operator's
+/// objective, and — for policies that predict — the cost model's forecast.
+pub struct Context<'a> {
+    pub input: &'a DecisionInput,
+    pub scored: &'a Scored,
+    pub weights: Weights,
+    pub slo: Option<Slo>,
+    pub forecast: Option<&'a Forecast>,
+}
 
 pub trait Policy: Send + Sync {
     fn kind(&self) -> PolicyKind;
     /// The path for a Turn 2+ request with a live session on an available D.
-    fn choose(&self, input: &DecisionInput, scored: &Scored, weights: Weights) -> (Path, Reason);
+    fn choose(&self, c: &Context) -> (Path, Reason);
     /// Whether every turn, Turn 1 included, goes to a replica.
     fn replica_only(&self) -> bool {
         false
     }
+    /// Whether [`Policy::choose`] reads the cost model's forecast.
+    fn predicts(&self) -> bool {
+        false
+    }
 }
 
-/// The policies one engine can run, by name: `pd`, `local`, `pull`, `fraction:X`, `replica`, `ppd`.
+/// The policies one engine can run, by name: `pd`, `local`, `pull`, `fraction:X`, `replica`,
+/// `ppd`, `ppd-live`, and the anchors' rules `dynamo-isl`, `dynamo-load`, `llmd-threshold`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum PolicyKind {
     /// x ≡ 0: Turn 2+ always re-enters through P.
@@ -45,6 +65,14 @@ pub enum PolicyKind {
     Replica,
     /// Equation 1 on the lookup table.
     Ppd,
+    /// Equation 1 (or SLO goodput) over the cost model's live predictions of all three paths.
+    Live,
+    /// NVIDIA Dynamo's `isl_bounding`: skip P for a short uncached prompt.
+    DynamoIsl,
+    /// NVIDIA Dynamo's prefill-load rule with its decode-busy gate.
+    DynamoLoad,
+    /// llm-d's prefix-based PD decider: skip P under an uncached-token threshold.
+    LlmdThreshold,
 }
 
 impl PolicyKind {
@@ -56,10 +84,14 @@ impl PolicyKind {
             "pull" => Ok(PolicyKind::Pull),
             "replica" => Ok(PolicyKind::Replica),
             "ppd" => Ok(PolicyKind::Ppd),
+            "ppd-live" => Ok(PolicyKind::Live),
+            "dynamo-isl" => Ok(PolicyKind::DynamoIsl),
+            "dynamo-load" => Ok(PolicyKind::DynamoLoad),
+            "llmd-threshold" => Ok(PolicyKind::LlmdThreshold),
             _ => {
                 let x = s.strip_prefix("fraction:").ok_or_else(|| {
                     Error::Config(format!(
-                        "unknown policy {s:?}; expected pd, local, pull, fraction:X, replica or ppd"
+                        "unknown policy {s:?}; expected pd, local, pull, fraction:X, replica, ppd, ppd-live, dynamo-isl, dynamo-load or llmd-threshold"
                     ))
                 })?;
                 let x: f64 = x.parse().map_err(|_| {
@@ -83,6 +115,10 @@ impl PolicyKind {
             PolicyKind::Fraction(x) => Box::new(FractionPolicy::new(x)),
             PolicyKind::Replica => Box::new(ReplicaPolicy),
             PolicyKind::Ppd => Box::new(PpdPolicy),
+            PolicyKind::Live => Box::new(LivePolicy),
+            PolicyKind::DynamoIsl => Box::new(DynamoIslPolicy::default()),
+            PolicyKind::DynamoLoad => Box::new(DynamoLoadPolicy::default()),
+            PolicyKind::LlmdThreshold => Box::new(LlmdThresholdPolicy::default()),
         }
     }
 }
@@ -110,6 +146,10 @@ impl std::fmt::Display for PolicyKind {
             PolicyKind::Fraction(x) => write!(f, "fraction:{x}"),
             PolicyKind::Replica => write!(f, "replica"),
             PolicyKind::Ppd => write!(f, "ppd"),
+            PolicyKind::Live => write!(f, "ppd-live"),
+            PolicyKind::DynamoIsl => write!(f, "dynamo-isl"),
+            PolicyKind::DynamoLoad => write!(f, "dynamo-load"),
+            PolicyKind::LlmdThreshold => write!(f, "llmd-threshold"),
         }
     }
 }
@@ -126,6 +166,10 @@ mod tests {
             "pull",
             "replica",
             "ppd",
+            "ppd-live",
+            "dynamo-isl",
+            "dynamo-load",
+            "llmd-threshold",
             "fraction:0.5",
             "fraction:0",
             "fraction:1",

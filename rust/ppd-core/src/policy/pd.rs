@@ -1,7 +1,7 @@
 //! x ≡ 0, traditional PD: every Turn 2+ request goes through P again.
 
-use super::{Policy, PolicyKind};
-use crate::route::{DecisionInput, Path, Reason, Scored, Weights};
+use super::{Context, Policy, PolicyKind};
+use crate::route::{Path, Reason};
 
 pub struct PdPolicy;
 
@@ -9,7 +9,7 @@ impl Policy for PdPolicy {
     fn kind(&self) -> PolicyKind {
         PolicyKind::Pd
     }
-    fn choose(&self, _: &DecisionInput, _: &Scored, _: Weights) -> (Path, Reason) {
+    fn choose(&self, _: &Context) -> (Path, Reason) {
         (Path::Pd, Reason::Forced)
     }
 }

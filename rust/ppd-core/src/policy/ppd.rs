@@ -1,7 +1,7 @@
 //! PPD (Equation 1): local iff S = w_ttft·Δttft − w_tpot·Δtpot > 0 in the request's cell.
 
-use super::{Policy, PolicyKind};
-use crate::route::{DecisionInput, Path, Reason, Scored, Weights};
+use super::{Context, Policy, PolicyKind};
+use crate::route::{Path, Reason, Weights};
 
 pub struct PpdPolicy;
 
@@ -14,8 +14,8 @@ impl Policy for PpdPolicy {
     fn kind(&self) -> PolicyKind {
         PolicyKind::Ppd
     }
-    fn choose(&self, _: &DecisionInput, scored: &Scored, _: Weights) -> (Path, Reason) {
-        if scored.score > 0.0 {
+    fn choose(&self, c: &Context) -> (Path, Reason) {
+        if c.scored.score > 0.0 {
             (Path::Local, Reason::ScorePositive)
         } else {
             (Path::Pd, Reason::ScoreNegative)

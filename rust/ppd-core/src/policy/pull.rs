@@ -1,7 +1,7 @@
 //! Every Turn 2+ request through P reading the conversation's KV back from its D: the third path as a static rule, for tests and comparisons.
 
-use super::{Policy, PolicyKind};
-use crate::route::{DecisionInput, Path, Reason, Scored, Weights};
+use super::{Context, Policy, PolicyKind};
+use crate::route::{Path, Reason};
 
 pub struct PullPolicy;
 
@@ -9,7 +9,7 @@ impl Policy for PullPolicy {
     fn kind(&self) -> PolicyKind {
         PolicyKind::Pull
     }
-    fn choose(&self, _: &DecisionInput, _: &Scored, _: Weights) -> (Path, Reason) {
+    fn choose(&self, _: &Context) -> (Path, Reason) {
         (Path::Pull, Reason::Forced)
     }
 }

@@ -1,7 +1,7 @@
 //! Replica serving: every request, Turn 1 included, to an R node.
 
-use super::{Policy, PolicyKind};
-use crate::route::{DecisionInput, Path, Reason, Scored, Weights};
+use super::{Context, Policy, PolicyKind};
+use crate::route::{Path, Reason};
 
 pub struct ReplicaPolicy;
 
@@ -9,7 +9,7 @@ impl Policy for ReplicaPolicy {
     fn kind(&self) -> PolicyKind {
         PolicyKind::Replica
     }
-    fn choose(&self, _: &DecisionInput, _: &Scored, _: Weights) -> (Path, Reason) {
+    fn choose(&self, _: &Context) -> (Path, Reason) {
         (Path::Replica, Reason::ReplicaPolicy)
     }
     fn replica_only(&self) -> bool {

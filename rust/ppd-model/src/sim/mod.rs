@@ -14,7 +14,10 @@ use serde::{Deserialize, Serialize};
 use ppd_core::catalog::Workload;
 use ppd_core::layout::{parse_layout, Role};
 use ppd_core::qps::QpsEstimator;
-use ppd_core::{DecisionEngine, DecisionInput, Error, Path, PolicyKind, Table, Weights};
+use ppd_core::{
+    CostModel, DecisionEngine, DecisionInput, Error, LiveView, Path, PolicyKind, Slo, Table,
+    Weights,
+};
 
 use crate::engine::{mix64, Content, Engine, Event, Finish, Kind, Submit};
 use crate::profile::Profile;
@@ -46,6 +49,10 @@ pub struct SimConfig {
     /// (ShareGPT, WildChat-like) reach the simulator without I/O in this crate.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub conversations: Option<Vec<Vec<[u32; 2]>>>,
+    /// Latency objectives: `ppd-live` decides for SLO goodput, and the result
+    /// reports the share of requests that meet both.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slo: Option<Slo>,
 }
 
 fn default_duration() -> f64 {
@@ -75,6 +82,7 @@ impl SimConfig {
             w_ttft: 1.0,
             w_tpot: 1.0,
             conversations: None,
+            slo: None,
         }
     }
 }
@@ -115,6 +123,20 @@ pub struct SimResult {
     pub conversations: u64,
     /// Virtual seconds from the first arrival to the last completion.
     pub duration_s: f64,
+    /// Share of all requests sent that met both SLOs (TTFT, and TPOT where
+    /// more than one token came); 0 without SLOs.
+    #[serde(default)]
+    pub slo_attainment: f64,
+    /// The same over Turn 2+ requests.
+    #[serde(default)]
+    pub slo_attainment_t2: f64,
+    /// Share of Turn 2+ requests routed `pull`.
+    #[serde(default)]
+    pub pull_share: f64,
+    /// Median |ln(observed / predicted)| of Turn 2+ TTFT where the router
+    /// predicted (the cost model's error after its corrections); 0 otherwise.
+    #[serde(default)]
+    pub ttft_prediction_error: f64,
 }
 
 /// A placeholder table for policies that never consult one.
@@ -160,6 +182,18 @@ struct Conv {
     hold: Option<(usize, u64)>,
     done: bool,
     context: u32,
+    /// The cost model's uncorrected and corrected TTFT for the path taken,
+    /// with what the correction is keyed by (node, path, computed tokens).
+    predicted: Option<Predicted>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Predicted {
+    raw_ms: f64,
+    corrected_ms: f64,
+    node: u32,
+    path: Path,
+    tokens: u32,
 }
 
 /// Whether a conversation's last turn left its KV on a D (not a replica).
@@ -262,9 +296,17 @@ struct Sim<'a> {
     failed: u64,
     out_tokens: u64,
     local: u64,
+    pull: u64,
     decided2: u64,
     last_done: f64,
     ev: Vec<Event>,
+    /// Requests that met both SLOs: [Turn 1, Turn 2+].
+    slo_met: [u64; 2],
+    sent2: u64,
+    /// Running mean of output tokens, the router's estimate for its co-runners.
+    mean_out: f64,
+    /// |ln(observed / predicted)| TTFT of each predicted Turn 2+ request.
+    prediction_errors: Vec<f64>,
 }
 
 /// Orders f64 times in the heap (all times are finite and ≥ 0).
@@ -302,20 +344,7 @@ impl<'a> Sim<'a> {
         remote_prefix: u32,
     ) {
         self.next_id += 1;
-        let c = &self.convs[conv as usize];
-        let content = if self.p.harness.answer_prefix_hit {
-            Content::Synthetic(c.key)
-        } else {
-            // The prompt as the client renders it is canonical; the answer generated
-            // after it is salted per turn, so the next turn's re-rendered copy of it
-            // misses the cache (from the block holding the prompt's end) while
-            // everything the client sent before still hits.
-            Content::SyntheticSalted {
-                key: c.key,
-                stable_blocks: prompt / self.p.block_size,
-                salt: c.turn as u64,
-            }
-        };
+        let content = self.content(conv, prompt);
         let req = Submit {
             id: self.next_id,
             content,
@@ -335,6 +364,43 @@ impl<'a> Sim<'a> {
                 req,
             },
         );
+    }
+
+    /// The tokens of a conversation's request of `prompt` tokens, as its nodes hash them.
+    fn content(&self, conv: u32, prompt: u32) -> Content {
+        let c = &self.convs[conv as usize];
+        if self.p.harness.answer_prefix_hit {
+            Content::Synthetic(c.key)
+        } else {
+            // The prompt as the client renders it is canonical; the answer generated
+            // after it is salted per turn, so the next turn's re-rendered copy of it
+            // misses the cache (from the block holding the prompt's end) while
+            // everything the client sent before still hits.
+            Content::SyntheticSalted {
+                key: c.key,
+                stable_blocks: prompt / self.p.block_size,
+                salt: c.turn as u64,
+            }
+        }
+    }
+
+    /// What the router sees for a Turn 2+ request on D `d`: every node's
+    /// state now (one router, whose own accounting is exact), the prompt
+    /// tokens D and the next P hold.
+    fn live_view(&self, conv: u32, d: usize, prompt: u32) -> LiveView {
+        let content = self.content(conv, prompt);
+        let view = |n: usize| ppd_core::NodeView {
+            node: n as u32,
+            ..self.nodes[n].load_view()
+        };
+        let p = (!self.ps.is_empty()).then(|| self.ps[self.rr_p % self.ps.len()]);
+        LiveView {
+            d: view(d),
+            p: p.map(view),
+            d_cached: self.nodes[d].cached_prefix(&content, prompt),
+            p_cached: p.map_or(0, |p| self.nodes[p].cached_prefix(&content, prompt)),
+            mean_out_tokens: self.mean_out,
+        }
     }
 
     /// The client sends the conversation's next turn at `t`; the router decides.
@@ -357,9 +423,18 @@ impl<'a> Sim<'a> {
         // Every D keeps a conversation's blocks for a pull (bidirectional
         // transfer with whole answers); the pin's memory is not modelled.
         input.pull_ready = turn > 1 && c_d_holds(&self.convs[conv as usize]);
+        let holder = self.convs[conv as usize].d.filter(|_| turn > 1);
+        if let Some(d) = holder.filter(|_| c_d_holds(&self.convs[conv as usize])) {
+            input.live = Some(self.live_view(conv, d, prompt));
+        }
         let route = self.router.decide(&input)?;
+        self.convs[conv as usize].predicted = self.predicted(&route, &input, prompt);
         if turn > 1 {
             self.decided2 += 1;
+            self.sent2 += 1;
+            if route.path == Path::Pull {
+                self.pull += 1;
+            }
         }
         self.sent += 1;
         let timeout = self.cfg.timeout_s * 1000.0;
@@ -418,6 +493,29 @@ impl<'a> Sim<'a> {
             }
         }
         Ok(())
+    }
+
+    /// The prediction for the path taken, to score against what happens.
+    fn predicted(
+        &self,
+        route: &ppd_core::Route,
+        input: &DecisionInput,
+        prompt: u32,
+    ) -> Option<Predicted> {
+        let (f, live) = (route.forecast?, input.live?);
+        let m = self.router.cost_model()?;
+        let raw = m.predict(input.n_ctx, input.n_in, &live).get(route.path);
+        let node = match route.path {
+            Path::Local => live.d.node,
+            _ => live.p.map_or(live.d.node, |p| p.node),
+        };
+        Some(Predicted {
+            raw_ms: raw.ttft_ms,
+            corrected_ms: f.get(route.path).ttft_ms,
+            node,
+            path: route.path,
+            tokens: CostModel::computed_tokens(route.path, prompt, &live),
+        })
     }
 
     fn start_conversation(&mut self, t: f64, conv: u32) -> Result<(), Error> {
@@ -563,11 +661,29 @@ impl<'a> Sim<'a> {
                             let turn = c.turn;
                             let idx = usize::from(turn > 1);
                             let n = usage.completion_tokens;
-                            self.samples[idx].ttft.push(first - c.start);
+                            let ttft = first - c.start;
+                            let tpot = (n > 1).then(|| (t - first) / (n - 1) as f64);
+                            self.samples[idx].ttft.push(ttft);
                             self.samples[idx].e2e.push(t - c.start);
-                            if n > 1 {
-                                self.samples[idx].tpot.push((t - first) / (n - 1) as f64);
+                            if let Some(tpot) = tpot {
+                                self.samples[idx].tpot.push(tpot);
                             }
+                            if let Some(slo) = self.cfg.slo {
+                                if ttft <= slo.ttft_ms && tpot.is_none_or(|x| x <= slo.tpot_ms) {
+                                    self.slo_met[idx] += 1;
+                                }
+                            }
+                            if let Some(pr) = c.predicted.take() {
+                                if let Some(m) = self.router.cost_model() {
+                                    m.corrections
+                                        .observe_ttft(pr.node, pr.path, pr.tokens, pr.raw_ms, ttft);
+                                }
+                                if pr.corrected_ms > 0.0 && ttft > 0.0 {
+                                    self.prediction_errors
+                                        .push((ttft / pr.corrected_ms).ln().abs());
+                                }
+                            }
+                            self.mean_out += 0.05 * (f64::from(n) - self.mean_out);
                             self.out_tokens += n as u64;
                             let (n_in, _) = self.specs[c.spec as usize][turn as usize - 1];
                             c.context += n_in + n;
@@ -658,6 +774,26 @@ impl<'a> Sim<'a> {
                 0.0
             } else {
                 self.local as f64 / self.decided2 as f64
+            },
+            pull_share: if self.decided2 == 0 {
+                0.0
+            } else {
+                self.pull as f64 / self.decided2 as f64
+            },
+            slo_attainment: if self.sent == 0 {
+                0.0
+            } else {
+                (self.slo_met[0] + self.slo_met[1]) as f64 / self.sent as f64
+            },
+            slo_attainment_t2: if self.sent2 == 0 {
+                0.0
+            } else {
+                self.slo_met[1] as f64 / self.sent2 as f64
+            },
+            ttft_prediction_error: {
+                let mut e = std::mem::take(&mut self.prediction_errors);
+                e.sort_by(f64::total_cmp);
+                percentile(&e, 50.0)
             },
             total_requests: self.sent,
             failed_requests: self.failed,
@@ -763,6 +899,8 @@ pub fn simulate(
         _ => placeholder_table()?,
     };
     let router = DecisionEngine::new(table, kind, Weights::new(cfg.w_ttft, cfg.w_tpot)?);
+    router.set_cost_model(std::sync::Arc::new(CostModel::new(profile.clone())));
+    router.set_slo(cfg.slo);
     let idx = |f: fn(Role) -> bool| -> Vec<usize> {
         roles
             .iter()
@@ -817,9 +955,14 @@ pub fn simulate(
         failed: 0,
         out_tokens: 0,
         local: 0,
+        pull: 0,
         decided2: 0,
         last_done: 0.0,
         ev: Vec::new(),
+        slo_met: [0, 0],
+        sent2: 0,
+        mean_out: 128.0,
+        prediction_errors: Vec::new(),
     };
     sim.run()
 }

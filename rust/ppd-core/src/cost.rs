@@ -1,0 +1,657 @@
+//! The cost model of the live decision: each path's predicted TTFT, and the TPOT its prefill adds to the sequences decoding where it lands, from the profile's step-time model and a snapshot of the nodes.
+//!
+//! It runs the same step-time model as the engine model (`ppd-model`, the
+//! emulator and the simulator): a step costs a fixed overhead, a price per
+//! scheduled token and sequence, prefill attention over (new token × attended
+//! key) pairs, and decode attention over the batch's context. What it adds is
+//! the arithmetic of a request's way through a busy node — the prefill work
+//! queued ahead of it, chunked into steps beside the running decodes — and of
+//! the KV link. Each figure is closed-form: a prediction is a few dozen
+//! floating-point operations, no search and no allocation.
+//!
+//! Observed latencies correct the predictions online ([`Corrections`]): a
+//! bounded table of exponentially weighted residuals per node, path and size
+//! class, so a node that turns slower than its profile says is priced as it
+//! is within a few requests.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use ahash::AHashMap;
+use parking_lot::RwLock;
+
+use crate::profile::{BatchShape, Profile};
+use crate::route::Path;
+
+/// One node as the decision sees it: the router's own accounting and the
+/// node's last scrape, read as a snapshot.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct NodeView {
+    /// The router's id of the node (the key of its corrections).
+    pub node: u32,
+    /// Sequences decoding on it.
+    pub running: u32,
+    /// Σ context tokens of those sequences (their decode attention).
+    pub decode_ctx_tokens: u64,
+    /// Prompt tokens queued on it ahead of a new request (waiting, or
+    /// mid-prefill), which it computes first.
+    pub queued_prefill_tokens: u64,
+    /// Requests waiting to be scheduled.
+    pub waiting: u32,
+    /// KV bytes in flight into it over its link.
+    pub link_bytes: u64,
+    /// Share of its KV cache in use, 0..1.
+    pub kv_usage: f64,
+    /// Tokens it schedules per step (vLLM's `max_num_batched_tokens`).
+    pub token_budget: u32,
+}
+
+/// What the decision sees of the cluster for one Turn 2+ request.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct LiveView {
+    /// The session's D (or pD).
+    pub d: NodeView,
+    /// The P that the pd and pull paths would use; `None` when no P can.
+    pub p: Option<NodeView>,
+    /// Leading tokens of the prompt that D's prefix cache holds.
+    pub d_cached: u32,
+    /// Leading tokens of the prompt that P's prefix cache holds (a pd turn
+    /// computes only the rest).
+    pub p_cached: u32,
+    /// Mean output tokens of D's sequences: how many steps a stall is spread
+    /// over in their TPOT.
+    pub mean_out_tokens: f64,
+}
+
+/// The prediction for one path.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PathCost {
+    /// The request's time to first token, ms.
+    pub ttft_ms: f64,
+    /// The TPOT this request's prefill adds to each sequence decoding on its
+    /// D, ms per token (0 where D computes nothing of it).
+    pub tpot_added_ms: f64,
+    /// How many sequences that is (D's running decodes).
+    pub corunners: u32,
+    /// D's decode step without this request's prefill: the TPOT of its batch, ms.
+    pub base_tpot_ms: f64,
+}
+
+impl PathCost {
+    /// TPOT added over all co-running sequences, relative to their TPOT: the
+    /// TPOT side of Equation 1 summed over the sequences that pay it, as the
+    /// mean TPOT of all requests does.
+    pub fn tpot_burden(&self) -> f64 {
+        if self.base_tpot_ms <= 0.0 {
+            return 0.0;
+        }
+        f64::from(self.corunners) * self.tpot_added_ms / self.base_tpot_ms
+    }
+}
+
+/// The three paths' predictions; `local` and `pull` are present where the
+/// request has a D holding its context.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Forecast {
+    pub pd: PathCost,
+    pub local: PathCost,
+    pub pull: PathCost,
+}
+
+impl Forecast {
+    pub fn get(&self, path: Path) -> PathCost {
+        match path {
+            Path::Local | Path::Replica => self.local,
+            Path::Pull => self.pull,
+            Path::Pd => self.pd,
+        }
+    }
+}
+
+/// Request sizes are corrected separately in these classes of computed
+/// prompt tokens (a node can be slow on long prefills and not on short ones).
+const SIZE_CLASSES: [u32; 3] = [256, 2048, u32::MAX];
+
+fn size_class(tokens: u32) -> usize {
+    SIZE_CLASSES.iter().position(|&b| tokens <= b).unwrap_or(2)
+}
+
+/// Paths whose TTFT is corrected apart: local, pull, pd.
+const PATHS: usize = 3;
+
+fn path_slot(path: Path) -> usize {
+    match path {
+        Path::Local | Path::Replica => 0,
+        Path::Pull => 1,
+        Path::Pd => 2,
+    }
+}
+
+/// One node's residuals: ln(observed / predicted) TTFT per path and size
+/// class, and TPOT, as f64 bits (lock-free reads and writes; a lost update
+/// under a race only delays convergence by one sample).
+#[derive(Default)]
+struct NodeResiduals {
+    ttft: [[AtomicU64; SIZE_CLASSES.len()]; PATHS],
+    ttft_n: [[AtomicU64; SIZE_CLASSES.len()]; PATHS],
+    tpot: AtomicU64,
+    tpot_n: AtomicU64,
+}
+
+/// The online correction of predictions: per node, path and size class, an
+/// exponentially weighted mean of ln(observed / predicted). Memory is a fixed
+/// 104 bytes per node; nodes that leave are dropped with [`Corrections::forget`].
+pub struct Corrections {
+    /// Weight of a new sample; the first samples are averaged plainly so a
+    /// fresh node converges as fast as its data allows.
+    alpha: f64,
+    nodes: RwLock<AHashMap<u32, Box<NodeResiduals>>>,
+}
+
+/// Residuals beyond ×/÷ e³ (20×) are a fault or a clock jump, not a trend.
+const MAX_LN_RESIDUAL: f64 = 3.0;
+
+fn ewma(value: &AtomicU64, count: &AtomicU64, sample: f64, alpha: f64) {
+    let n = count.fetch_add(1, Ordering::Relaxed) + 1;
+    let a = alpha.max(1.0 / n as f64);
+    let old = f64::from_bits(value.load(Ordering::Relaxed));
+    value.store((old + a * (sample - old)).to_bits(), Ordering::Relaxed);
+}
+
+impl Default for Corrections {
+    fn default() -> Self {
+        Corrections::new(0.2)
+    }
+}
+
+impl Corrections {
+    /// `alpha`: the weight of each new observation once a cell has 1/alpha of them.
+    pub fn new(alpha: f64) -> Corrections {
+        Corrections {
+            alpha: alpha.clamp(0.001, 1.0),
+            nodes: RwLock::new(AHashMap::new()),
+        }
+    }
+
+    /// The factor by which a TTFT prediction for `path` on `node` is off.
+    pub fn ttft_factor(&self, node: u32, path: Path, computed_tokens: u32) -> f64 {
+        let nodes = self.nodes.read();
+        nodes.get(&node).map_or(1.0, |r| {
+            f64::from_bits(
+                r.ttft[path_slot(path)][size_class(computed_tokens)].load(Ordering::Relaxed),
+            )
+            .exp()
+        })
+    }
+
+    /// The factor by which D's predicted step time (TPOT) is off.
+    pub fn tpot_factor(&self, node: u32) -> f64 {
+        let nodes = self.nodes.read();
+        nodes.get(&node).map_or(1.0, |r| {
+            f64::from_bits(r.tpot.load(Ordering::Relaxed)).exp()
+        })
+    }
+
+    fn with_node(&self, node: u32, f: impl FnOnce(&NodeResiduals)) {
+        if let Some(r) = self.nodes.read().get(&node) {
+            return f(r);
+        }
+        let mut nodes = self.nodes.write();
+        f(nodes.entry(node).or_default());
+    }
+
+    /// Records an observed TTFT against the uncorrected prediction it was decided on.
+    pub fn observe_ttft(
+        &self,
+        node: u32,
+        path: Path,
+        computed_tokens: u32,
+        predicted_ms: f64,
+        observed_ms: f64,
+    ) {
+        let Some(ln) = ln_ratio(observed_ms, predicted_ms) else {
+            return;
+        };
+        let (p, c) = (path_slot(path), size_class(computed_tokens));
+        self.with_node(node, |r| {
+            ewma(&r.ttft[p][c], &r.ttft_n[p][c], ln, self.alpha)
+        });
+    }
+
+    /// Records an observed TPOT against the uncorrected predicted step time of its D.
+    pub fn observe_tpot(&self, node: u32, predicted_ms: f64, observed_ms: f64) {
+        let Some(ln) = ln_ratio(observed_ms, predicted_ms) else {
+            return;
+        };
+        self.with_node(node, |r| ewma(&r.tpot, &r.tpot_n, ln, self.alpha));
+    }
+
+    /// Drops a node's corrections (it left; a node joining under the same id starts afresh).
+    pub fn forget(&self, node: u32) {
+        self.nodes.write().remove(&node);
+    }
+
+    /// Every node's factors, for `/admin/model` and metrics: (node, TTFT
+    /// factor per path [local, pull, pd] × size class, samples, TPOT factor).
+    pub fn view(&self) -> Vec<NodeCorrection> {
+        let nodes = self.nodes.read();
+        let mut out: Vec<NodeCorrection> = nodes
+            .iter()
+            .map(|(&node, r)| {
+                let load = |a: &AtomicU64| f64::from_bits(a.load(Ordering::Relaxed)).exp();
+                NodeCorrection {
+                    node,
+                    ttft: std::array::from_fn(|p| std::array::from_fn(|c| load(&r.ttft[p][c]))),
+                    ttft_samples: std::array::from_fn(|p| {
+                        std::array::from_fn(|c| r.ttft_n[p][c].load(Ordering::Relaxed))
+                    }),
+                    tpot: load(&r.tpot),
+                    tpot_samples: r.tpot_n.load(Ordering::Relaxed),
+                }
+            })
+            .collect();
+        out.sort_by_key(|c| c.node);
+        out
+    }
+}
+
+/// One node's correction factors (observed ÷ predicted).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct NodeCorrection {
+    pub node: u32,
+    /// Per path (local, pull, pd) and size class (≤ 256, ≤ 2,048, more computed tokens).
+    pub ttft: [[f64; 3]; 3],
+    pub ttft_samples: [[u64; 3]; 3],
+    pub tpot: f64,
+    pub tpot_samples: u64,
+}
+
+fn ln_ratio(observed: f64, predicted: f64) -> Option<f64> {
+    (observed > 0.0 && predicted > 0.0 && observed.is_finite() && predicted.is_finite()).then(
+        || {
+            (observed / predicted)
+                .ln()
+                .clamp(-MAX_LN_RESIDUAL, MAX_LN_RESIDUAL)
+        },
+    )
+}
+
+/// The profile's numbers the predictions use, and the corrections learnt so far.
+pub struct CostModel {
+    profile: Profile,
+    pub corrections: Corrections,
+}
+
+/// A prefill's way through one node: when its first token is out, and what
+/// it adds to each step of the node's running decodes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Prefill {
+    engine_ms: f64,
+    /// Decode time the request's own prefill adds to the node's steps, ms.
+    added_ms: f64,
+    /// The node's decode step without it, ms.
+    base_ms: f64,
+}
+
+impl CostModel {
+    pub fn new(profile: Profile) -> CostModel {
+        CostModel {
+            profile,
+            corrections: Corrections::default(),
+        }
+    }
+
+    pub fn profile(&self) -> &Profile {
+        &self.profile
+    }
+
+    /// The three paths' predictions, uncorrected: what the profile says.
+    pub fn predict(&self, n_ctx: u32, n_in: u32, live: &LiveView) -> Forecast {
+        let p = &self.profile;
+        let api = &p.api;
+        let prompt = n_ctx.saturating_add(n_in).max(1);
+        // vLLM computes at least the prompt's last token, whatever it caches.
+        let cap = |cached: u32| cached.min(prompt - 1);
+        let d_cached = cap(live.d_cached);
+        let mean_out = live.mean_out_tokens.max(1.0);
+        let d_first = self.admit_step(&live.d);
+
+        let on_d = self.prefill(&live.d, prompt - d_cached, d_cached);
+        let local = PathCost {
+            ttft_ms: api.router_hop_ms
+                + api.local_path_extra_ms
+                + api.request_overhead_ms
+                + on_d.engine_ms,
+            tpot_added_ms: on_d.added_ms / mean_out,
+            corunners: live.d.running,
+            base_tpot_ms: on_d.base_ms,
+        };
+        // A pd or pull turn reaches D with all but the last prompt token
+        // computed elsewhere: D computes one token in its next step.
+        let handed = |prefill_ms: f64, p_link_ms: f64, to_d_tokens: u32| {
+            let to_d = self.link_ms(&live.d, u64::from(to_d_tokens) * p.kv_bytes_per_token);
+            PathCost {
+                ttft_ms: 2.0 * (api.router_hop_ms + api.request_overhead_ms)
+                    + p_link_ms
+                    + prefill_ms
+                    + p.link.push_ms
+                    + to_d
+                    + d_first.engine_ms,
+                tpot_added_ms: d_first.added_ms / mean_out,
+                corunners: live.d.running,
+                base_tpot_ms: d_first.base_ms,
+            }
+        };
+        let Some(pv) = live.p else {
+            // No P: the pd path is D computing the whole prompt (p_unavailable).
+            let direct = self.prefill(&live.d, prompt, 0);
+            let pd = PathCost {
+                ttft_ms: api.router_hop_ms + api.request_overhead_ms + direct.engine_ms,
+                tpot_added_ms: direct.added_ms / mean_out,
+                corunners: live.d.running,
+                base_tpot_ms: direct.base_ms,
+            };
+            return Forecast {
+                pd,
+                local,
+                pull: pd,
+            };
+        };
+        let p_cached = cap(live.p_cached);
+        let pd_transfer = if p.link.full_prompt_transfer {
+            prompt - 1
+        } else {
+            (prompt - 1).saturating_sub(d_cached)
+        };
+        let pd = handed(
+            self.prefill(&pv, prompt - p_cached, p_cached).engine_ms,
+            0.0,
+            pd_transfer,
+        );
+        // Pull: P reads the context D holds, computes the rest, and D takes
+        // back only what it lacks.
+        let read = self.link_ms(&pv, u64::from(d_cached) * p.kv_bytes_per_token);
+        let pull = handed(
+            self.prefill(&pv, prompt - d_cached, d_cached).engine_ms,
+            read,
+            (prompt - 1) - d_cached,
+        );
+        Forecast { pd, local, pull }
+    }
+
+    /// [`Self::predict`] with the learnt corrections applied.
+    pub fn forecast(&self, n_ctx: u32, n_in: u32, live: &LiveView) -> Forecast {
+        let mut f = self.predict(n_ctx, n_in, live);
+        self.correct(&mut f, n_ctx.saturating_add(n_in), live);
+        f
+    }
+
+    /// Applies the corrections: TTFT by the node whose queue and compute
+    /// dominate it (D for local, P for pd and pull), TPOT by D's.
+    pub fn correct(&self, f: &mut Forecast, prompt: u32, live: &LiveView) {
+        let c = &self.corrections;
+        let d = live.d.node;
+        let p = live.p.map_or(d, |p| p.node);
+        let computed_local = prompt.saturating_sub(live.d_cached);
+        f.local.ttft_ms *= c.ttft_factor(d, Path::Local, computed_local);
+        f.pull.ttft_ms *= c.ttft_factor(p, Path::Pull, computed_local);
+        f.pd.ttft_ms *= c.ttft_factor(p, Path::Pd, prompt.saturating_sub(live.p_cached));
+        let t = c.tpot_factor(d);
+        for pc in [&mut f.pd, &mut f.local, &mut f.pull] {
+            pc.tpot_added_ms *= t;
+            pc.base_tpot_ms *= t;
+        }
+    }
+
+    /// The tokens a path computes where its TTFT is corrected (the size class key).
+    pub fn computed_tokens(path: Path, prompt: u32, live: &LiveView) -> u32 {
+        match path {
+            Path::Pd => prompt.saturating_sub(live.p_cached),
+            _ => prompt.saturating_sub(live.d_cached),
+        }
+    }
+
+    /// A decode step of `n`'s running sequences, ms.
+    fn decode_step(&self, n: &NodeView) -> f64 {
+        self.profile.step.step_ms(&BatchShape {
+            seqs: n.running,
+            decode_seqs: u64::from(n.running),
+            decode_ctx_tokens: n.decode_ctx_tokens,
+            ..BatchShape::default()
+        })
+    }
+
+    /// `tokens` new prompt tokens over `cached` ones on node `n`, behind the
+    /// prefill queued there, in chunks of what the token budget leaves beside
+    /// the running decodes; the first token comes with the last chunk.
+    fn prefill(&self, n: &NodeView, tokens: u32, cached: u32) -> Prefill {
+        let s = &self.profile.step;
+        let budget = match n.token_budget {
+            0 => self.profile.max_num_batched_tokens,
+            b => b,
+        };
+        let budget = f64::from(budget.max(1));
+        let running = f64::from(n.running);
+        let room = (budget - running).max(1.0);
+        let base = self.decode_step(n);
+        let queued = n.queued_prefill_tokens as f64;
+        let waiting = f64::from(n.waiting.max(1));
+        let t = f64::from(tokens);
+        let steps = ((queued + t) / room).ceil().max(1.0);
+        // Each queued prompt of mean length q/w attends over itself.
+        let queued_pairs = queued * (queued / waiting) / 2.0;
+        let own_pairs = t * (f64::from(cached) + t / 2.0);
+        let per_step = s.overhead_ms
+            + (s.per_token_ms + s.per_seq_ms) * running
+            + s.decode_ctx_ms_per_ktoken * n.decode_ctx_tokens as f64 / 1e3;
+        let token_ms = s.per_token_ms + s.prefill_token_ms;
+        let seqs_ahead = if n.queued_prefill_tokens > 0 {
+            f64::from(n.waiting)
+        } else {
+            0.0
+        };
+        // A step already running finishes first: half of one on average.
+        let in_progress = if n.running > 0 || n.queued_prefill_tokens > 0 {
+            base / 2.0
+        } else {
+            0.0
+        };
+        let engine_ms = in_progress
+            + steps * per_step
+            + token_ms * (queued + t)
+            + s.per_seq_ms * (seqs_ahead + 1.0)
+            + s.attn_ms_per_mpair * (queued_pairs + own_pairs) / 1e6;
+        let added_ms = if n.running == 0 {
+            0.0
+        } else {
+            token_ms * t + s.per_seq_ms + s.attn_ms_per_mpair * own_pairs / 1e6
+        };
+        Prefill {
+            engine_ms,
+            added_ms,
+            base_ms: base,
+        }
+    }
+
+    /// The step in which D admits a request whose KV arrived: one token to
+    /// compute beside its decodes, after the step in progress.
+    fn admit_step(&self, d: &NodeView) -> Prefill {
+        let mut one = self.prefill(d, 1, 0);
+        one.added_ms = if d.running == 0 { 0.0 } else { one.added_ms };
+        one
+    }
+
+    /// `bytes` into node `n` over its link, sharing it with what is in flight.
+    fn link_ms(&self, n: &NodeView, bytes: u64) -> f64 {
+        if bytes == 0 {
+            return 0.0;
+        }
+        let l = &self.profile.link;
+        l.latency_ms + (bytes + n.link_bytes) as f64 / (l.gbps * 1e6)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model() -> CostModel {
+        let mut p = Profile::test_profile();
+        p.link.push_ms = 0.0;
+        p.link.full_prompt_transfer = false;
+        CostModel::new(p)
+    }
+
+    fn idle(node: u32) -> NodeView {
+        NodeView {
+            node,
+            ..NodeView::default()
+        }
+    }
+
+    fn busy_d(running: u32) -> NodeView {
+        NodeView {
+            node: 1,
+            running,
+            decode_ctx_tokens: u64::from(running) * 2000,
+            ..NodeView::default()
+        }
+    }
+
+    fn view(d: NodeView, p: Option<NodeView>, d_cached: u32) -> LiveView {
+        LiveView {
+            d,
+            p,
+            d_cached,
+            p_cached: 0,
+            mean_out_tokens: 200.0,
+        }
+    }
+
+    #[test]
+    fn an_idle_pd_with_the_context_makes_local_the_fastest_first_token() {
+        let m = model();
+        let f = m.predict(2000, 64, &view(idle(1), Some(idle(2)), 2000));
+        assert!(f.local.ttft_ms < f.pull.ttft_ms, "{f:?}");
+        assert!(
+            f.pull.ttft_ms < f.pd.ttft_ms,
+            "pull computes only the new tokens: {f:?}"
+        );
+        assert_eq!(f.local.tpot_burden(), 0.0, "nothing decodes beside it");
+    }
+
+    #[test]
+    fn local_charges_the_sequences_decoding_on_d_and_pd_does_not() {
+        let m = model();
+        let f = m.predict(2000, 512, &view(busy_d(100), Some(idle(2)), 2000));
+        assert_eq!(f.local.corunners, 100);
+        assert!(f.local.tpot_added_ms > 10.0 * f.pd.tpot_added_ms, "{f:?}");
+        assert!(f.local.tpot_burden() > f.pull.tpot_burden());
+    }
+
+    #[test]
+    fn a_full_prefill_adds_far_more_decode_time_than_an_append_of_the_same_tokens() {
+        // The paper's Figure 2, as the model prices it.
+        let m = model();
+        let d = busy_d(64);
+        let append = m.prefill(&d, 1024, 8000);
+        let full = m.prefill(&d, 9024, 0);
+        assert!(
+            full.added_ms > 5.0 * append.added_ms,
+            "{full:?} vs {append:?}"
+        );
+    }
+
+    #[test]
+    fn a_queue_on_p_delays_pd_and_pull_but_not_local() {
+        let m = model();
+        let quiet = m.predict(1000, 100, &view(idle(1), Some(idle(2)), 1000));
+        let queued_p = NodeView {
+            queued_prefill_tokens: 20_000,
+            waiting: 10,
+            ..idle(2)
+        };
+        let busy = m.predict(1000, 100, &view(idle(1), Some(queued_p), 1000));
+        assert_eq!(busy.local, quiet.local);
+        assert!(busy.pd.ttft_ms > quiet.pd.ttft_ms + 50.0, "{busy:?}");
+        assert!(busy.pull.ttft_ms > quiet.pull.ttft_ms + 50.0);
+    }
+
+    #[test]
+    fn what_d_no_longer_holds_is_recomputed_by_local_and_pull() {
+        let m = model();
+        let held = m.predict(4000, 64, &view(idle(1), Some(idle(2)), 4000));
+        let evicted = m.predict(4000, 64, &view(idle(1), Some(idle(2)), 0));
+        assert!(evicted.local.ttft_ms > 2.0 * held.local.ttft_ms);
+        assert!(evicted.pull.ttft_ms > held.pull.ttft_ms);
+    }
+
+    #[test]
+    fn without_a_p_the_pd_path_is_d_computing_the_whole_prompt() {
+        let m = model();
+        let f = m.predict(3000, 64, &view(busy_d(8), None, 3000));
+        assert!(f.pd.ttft_ms > f.local.ttft_ms);
+        assert!(f.pd.tpot_added_ms > f.local.tpot_added_ms);
+    }
+
+    #[test]
+    fn link_traffic_in_flight_slows_a_transfer() {
+        let m = model();
+        let clear = m.predict(4000, 64, &view(idle(1), Some(idle(2)), 0));
+        let jammed = NodeView {
+            link_bytes: 10_000_000_000,
+            ..idle(1)
+        };
+        let slow = m.predict(4000, 64, &view(jammed, Some(idle(2)), 0));
+        assert!(slow.pd.ttft_ms > clear.pd.ttft_ms + 100.0, "{slow:?}");
+    }
+
+    #[test]
+    fn corrections_converge_to_a_node_twice_as_slow_as_its_profile() {
+        let m = model();
+        let live = view(idle(1), Some(idle(2)), 1000);
+        let predicted = m.predict(1000, 64, &live).local.ttft_ms;
+        let mut n = 0;
+        loop {
+            n += 1;
+            m.corrections
+                .observe_ttft(1, Path::Local, 64, predicted, 2.0 * predicted);
+            let f = m.forecast(1000, 64, &live);
+            if (f.local.ttft_ms / (2.0 * predicted) - 1.0).abs() < 0.01 {
+                break;
+            }
+            assert!(n < 50, "not converged after {n} samples");
+        }
+        assert_eq!(n, 1, "a fresh cell takes its first sample whole");
+        // Another node, path and size class are untouched.
+        let f = m.forecast(1000, 64, &live);
+        assert_eq!(f.pd.ttft_ms, m.predict(1000, 64, &live).pd.ttft_ms);
+    }
+
+    #[test]
+    fn corrections_follow_a_node_that_slows_down_later() {
+        let m = model();
+        for _ in 0..200 {
+            m.corrections.observe_ttft(1, Path::Local, 64, 10.0, 10.0);
+        }
+        let mut n = 0;
+        while m.corrections.ttft_factor(1, Path::Local, 64) < 1.9 {
+            m.corrections.observe_ttft(1, Path::Local, 64, 10.0, 20.0);
+            n += 1;
+            assert!(n <= 20, "not within 20 samples");
+        }
+        // alpha 0.2: within 5 % of the new ratio after 14 samples.
+        assert!(n <= 14, "{n}");
+    }
+
+    #[test]
+    fn absurd_observations_are_bounded_and_garbage_ignored() {
+        let c = Corrections::default();
+        c.observe_ttft(3, Path::Pd, 10, 1.0, 1e12);
+        assert!(c.ttft_factor(3, Path::Pd, 10) <= MAX_LN_RESIDUAL.exp() + 1e-9);
+        c.observe_tpot(3, 0.0, 5.0);
+        c.observe_tpot(3, 5.0, f64::NAN);
+        assert_eq!(c.tpot_factor(3), 1.0);
+        c.forget(3);
+        assert!(c.view().is_empty());
+    }
+}

@@ -1,0 +1,246 @@
+//! `ppd-live`: each Turn 2+ request takes the feasible path — local, pull or pd — that the cost model predicts best for the operator's objective.
+//!
+//! The objective is Equation 1 generalised to three paths, each scored
+//! against pd: S = w_ttft·(TTFT_pd − TTFT)/TTFT_pd − w_tpot·(TPOT burden −
+//! burden of pd), where the TPOT burden is what the path's prefill adds to
+//! every sequence decoding on D, relative to their TPOT and summed over them
+//! (the mean TPOT of all requests pays each of them). Or, with SLOs set, the
+//! path under which the most requests meet both: this one by its predicted
+//! TTFT, those decoding beside it by their TPOT after the stall it adds; the
+//! score breaks ties. Without live data the table's prior decides, as `ppd`.
+
+use super::{ppd::PpdPolicy, Context, Policy, PolicyKind};
+use crate::cost::{Forecast, PathCost};
+use crate::route::{Path, Reason, Weights};
+
+/// Latency objectives per request, ms.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Slo {
+    pub ttft_ms: f64,
+    pub tpot_ms: f64,
+}
+
+pub struct LivePolicy;
+
+/// The paths a live decision weighs, pd first: it wins ties, since it moves
+/// nothing onto the decode node.
+const CANDIDATES: [Path; 3] = [Path::Pd, Path::Local, Path::Pull];
+
+/// Equation 1 for `path` against pd.
+pub fn score(f: &Forecast, path: Path, w: Weights) -> f64 {
+    let (pd, c) = (f.pd, f.get(path));
+    let d_ttft = if pd.ttft_ms > 0.0 {
+        (pd.ttft_ms - c.ttft_ms) / pd.ttft_ms
+    } else {
+        0.0
+    };
+    w.w_ttft * d_ttft - w.w_tpot * (c.tpot_burden() - pd.tpot_burden())
+}
+
+/// Requests predicted to meet both SLOs under a path: this one (1 or 0),
+/// less the co-running sequences its prefill pushes over the TPOT SLO.
+pub fn goodput(c: &PathCost, slo: Slo) -> f64 {
+    let meets = c.ttft_ms <= slo.ttft_ms && c.base_tpot_ms <= slo.tpot_ms;
+    let pushed_over =
+        c.base_tpot_ms <= slo.tpot_ms && c.base_tpot_ms + c.tpot_added_ms > slo.tpot_ms;
+    f64::from(u8::from(meets))
+        - if pushed_over {
+            f64::from(c.corunners)
+        } else {
+            0.0
+        }
+}
+
+impl Policy for LivePolicy {
+    fn kind(&self) -> PolicyKind {
+        PolicyKind::Live
+    }
+
+    fn predicts(&self) -> bool {
+        true
+    }
+
+    fn choose(&self, c: &Context) -> (Path, Reason) {
+        let Some(f) = c.forecast else {
+            return PpdPolicy.choose(c);
+        };
+        let feasible = CANDIDATES
+            .into_iter()
+            .filter(|&p| p == Path::Pd || c.input.veto(p).is_none());
+        let key = |p: Path| {
+            let s = score(f, p, c.weights);
+            match c.slo {
+                Some(slo) => (goodput(&f.get(p), slo), s),
+                None => (0.0, s),
+            }
+        };
+        let mut best = (Path::Pd, key(Path::Pd));
+        for p in feasible.skip(1) {
+            let k = key(p);
+            if k > best.1 {
+                best = (p, k);
+            }
+        }
+        let reason = if c.slo.is_some() {
+            Reason::SloGoodput
+        } else {
+            Reason::CostModel
+        };
+        (best.0, reason)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::grid::GridPoint;
+    use crate::route::{DecisionInput, Residency, Scored};
+
+    fn cost(ttft_ms: f64, tpot_added_ms: f64, corunners: u32) -> PathCost {
+        PathCost {
+            ttft_ms,
+            tpot_added_ms,
+            corunners,
+            base_tpot_ms: 10.0,
+        }
+    }
+
+    fn scored() -> Scored {
+        let p = GridPoint {
+            context: 0,
+            workload: 0,
+            qps: 0,
+        };
+        Scored {
+            point: p,
+            cell_at: p,
+            distance: 0.0,
+            d_ttft: 0.0,
+            d_tpot: 0.0,
+            score: -1.0,
+        }
+    }
+
+    fn choose(
+        input: &DecisionInput,
+        f: Option<&Forecast>,
+        w: Weights,
+        slo: Option<Slo>,
+    ) -> (Path, Reason) {
+        LivePolicy.choose(&Context {
+            input,
+            scored: &scored(),
+            weights: w,
+            slo,
+            forecast: f,
+        })
+    }
+
+    fn input() -> DecisionInput {
+        DecisionInput {
+            pull_ready: true,
+            ..DecisionInput::turn(2, 64, 128, 2000, 4.0)
+        }
+    }
+
+    #[test]
+    fn a_cheap_local_append_wins_and_says_why() {
+        let f = Forecast {
+            pd: cost(200.0, 0.0, 4),
+            local: cost(40.0, 0.01, 4),
+            pull: cost(90.0, 0.0, 4),
+        };
+        let r = choose(&input(), Some(&f), Weights::default(), None);
+        assert_eq!(r, (Path::Local, Reason::CostModel));
+    }
+
+    #[test]
+    fn a_crowded_d_sends_the_turn_to_pull_where_p_computes_it() {
+        // 200 sequences decoding, each slowed by 0.05 ms per token (0.5 % of
+        // their TPOT): a burden of 1.0, more than local's TTFT gain over pull.
+        let f = Forecast {
+            pd: cost(200.0, 0.0, 200),
+            local: cost(40.0, 0.05, 200),
+            pull: cost(90.0, 0.0, 200),
+        };
+        assert_eq!(
+            choose(&input(), Some(&f), Weights::default(), None).0,
+            Path::Pull
+        );
+        // A TTFT-only objective keeps it local.
+        assert_eq!(
+            choose(&input(), Some(&f), Weights::new(1.0, 0.0).unwrap(), None).0,
+            Path::Local
+        );
+    }
+
+    #[test]
+    fn a_vetoed_path_is_never_chosen_however_cheap() {
+        let f = Forecast {
+            pd: cost(200.0, 0.0, 0),
+            local: cost(1.0, 0.0, 0),
+            pull: cost(2.0, 0.0, 0),
+        };
+        let lost = DecisionInput {
+            residency: Residency::Lost,
+            ..input()
+        };
+        assert_eq!(
+            choose(&lost, Some(&f), Weights::default(), None).0,
+            Path::Pd
+        );
+        let no_handle = DecisionInput {
+            pull_ready: false,
+            d_local_capable: false,
+            ..input()
+        };
+        assert_eq!(
+            choose(&no_handle, Some(&f), Weights::default(), None).0,
+            Path::Pd
+        );
+    }
+
+    #[test]
+    fn slo_mode_prefers_the_path_that_meets_the_ttft_objective() {
+        let f = Forecast {
+            pd: cost(900.0, 0.0, 10),
+            local: cost(300.0, 0.2, 10),
+            pull: cost(450.0, 0.0, 10),
+        };
+        let slo = Slo {
+            ttft_ms: 500.0,
+            tpot_ms: 10.1,
+        };
+        // Local meets TTFT but pushes 10 decodes over 10.1 ms per token; pull meets all.
+        assert_eq!(
+            choose(&input(), Some(&f), Weights::default(), Some(slo)),
+            (Path::Pull, Reason::SloGoodput)
+        );
+        // Equation 1 prefers pull here (0.50 against local's 0.47), but only
+        // local meets a 350 ms TTFT objective, and a loose TPOT one holds.
+        assert_eq!(
+            choose(&input(), Some(&f), Weights::default(), None).0,
+            Path::Pull
+        );
+        let fast_first_token = Slo {
+            ttft_ms: 350.0,
+            tpot_ms: 50.0,
+        };
+        assert_eq!(
+            choose(
+                &input(),
+                Some(&f),
+                Weights::default(),
+                Some(fast_first_token)
+            )
+            .0,
+            Path::Local
+        );
+    }
+
+    #[test]
+    fn without_live_data_the_table_decides() {
+        let r = choose(&input(), None, Weights::default(), None);
+        assert_eq!(r, (Path::Pd, Reason::ScoreNegative));
+    }
+}
