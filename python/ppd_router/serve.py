@@ -28,6 +28,13 @@ _SCALARS: dict[str, tuple[type, str]] = {
     "table": (str, "lookup table path or builtin:h100-1P3pD|h100-2P2pD|h100-3P1pD (default: by P:D ratio)"),
     "w_ttft": (float, "weight of the TTFT gain in Equation 1 (default 1)"),
     "w_tpot": (float, "weight of the TPOT loss in Equation 1 (default 1)"),
+    "engine_profile": (
+        str,
+        "engine profile ppd-live's cost model predicts with: built-in name or TOML path (default: the "
+        "emulator's profile with --emulated, else h100-llama3.1-8b); observed latencies correct it per node",
+    ),
+    "slo_ttft_ms": (float, "ppd-live SLO mode: TTFT objective in ms (with --slo-tpot-ms)"),
+    "slo_tpot_ms": (float, "ppd-live SLO mode: TPOT objective in ms (with --slo-ttft-ms)"),
     "kv_protocol": (str, "nixl | p2pnccl | none (default nixl)"),
     "host": (str, "address to listen on (default 127.0.0.1)"),
     "port": (int, "port to listen on (default 8000)"),

@@ -79,6 +79,7 @@ def simulate_point(
     flt: Optional[ConversationFilter] = None,
     sharegpt_file: Optional[Path] = None,
     loaded: Optional[Workload] = None,
+    slo: Optional[dict[str, float]] = None,
 ) -> dict[str, Any]:
     """One simulated point as the ``--json`` object, with a ``meta`` object describing the run.
 
@@ -99,6 +100,8 @@ def simulate_point(
         "w_ttft": w_ttft,
         "w_tpot": w_tpot,
     }
+    if slo is not None:
+        cfg["slo"] = slo
     info: dict[str, Any] = {"workload": workload}
     if workload not in SYNTHETIC_WORKLOADS:
         if not qps > 0 or not duration > 0:
@@ -124,6 +127,7 @@ def simulate_point(
         "w_tpot": w_tpot,
         "backend": "simulate",
         "workload_info": info,
+        "slo": slo,
     }
     if r.get("table"):
         r["meta"]["table"] = r["table"]

@@ -133,13 +133,18 @@ fn path_slot(path: Path) -> usize {
 struct NodeResiduals {
     ttft: [[AtomicU64; SIZE_CLASSES.len()]; PATHS],
     ttft_n: [[AtomicU64; SIZE_CLASSES.len()]; PATHS],
+    /// Over all of the node's TTFT samples: what a cell without samples of
+    /// its own starts from (a node twice as slow is so for every path).
+    any: AtomicU64,
+    any_n: AtomicU64,
     tpot: AtomicU64,
     tpot_n: AtomicU64,
 }
 
 /// The online correction of predictions: per node, path and size class, an
-/// exponentially weighted mean of ln(observed / predicted). Memory is a fixed
-/// 104 bytes per node; nodes that leave are dropped with [`Corrections::forget`].
+/// exponentially weighted mean of ln(observed / predicted), a cell without
+/// samples taking the node's mean over all of them. Memory is a fixed 176
+/// bytes per node; nodes that leave are dropped with [`Corrections::forget`].
 pub struct Corrections {
     /// Weight of a new sample; the first samples are averaged plainly so a
     /// fresh node converges as fast as its data allows.
@@ -176,10 +181,13 @@ impl Corrections {
     pub fn ttft_factor(&self, node: u32, path: Path, computed_tokens: u32) -> f64 {
         let nodes = self.nodes.read();
         nodes.get(&node).map_or(1.0, |r| {
-            f64::from_bits(
-                r.ttft[path_slot(path)][size_class(computed_tokens)].load(Ordering::Relaxed),
-            )
-            .exp()
+            let (p, c) = (path_slot(path), size_class(computed_tokens));
+            let cell = if r.ttft_n[p][c].load(Ordering::Relaxed) > 0 {
+                &r.ttft[p][c]
+            } else {
+                &r.any
+            };
+            f64::from_bits(cell.load(Ordering::Relaxed)).exp()
         })
     }
 
@@ -213,7 +221,8 @@ impl Corrections {
         };
         let (p, c) = (path_slot(path), size_class(computed_tokens));
         self.with_node(node, |r| {
-            ewma(&r.ttft[p][c], &r.ttft_n[p][c], ln, self.alpha)
+            ewma(&r.ttft[p][c], &r.ttft_n[p][c], ln, self.alpha);
+            ewma(&r.any, &r.any_n, ln, self.alpha);
         });
     }
 
@@ -402,12 +411,27 @@ impl CostModel {
         }
     }
 
-    /// The tokens a path computes where its TTFT is corrected (the size class key).
-    pub fn computed_tokens(path: Path, prompt: u32, live: &LiveView) -> u32 {
-        match path {
-            Path::Pd => prompt.saturating_sub(live.p_cached),
-            _ => prompt.saturating_sub(live.d_cached),
-        }
+    /// Scores the TTFT observed on `path` against what the profile
+    /// predicted for it, so later predictions where it ran are corrected:
+    /// on D for local, on P for pd and pull, by the tokens computed there.
+    pub fn observe_ttft(
+        &self,
+        path: Path,
+        n_ctx: u32,
+        n_in: u32,
+        live: &LiveView,
+        observed_ms: f64,
+    ) {
+        let raw = self.predict(n_ctx, n_in, live).get(path).ttft_ms;
+        let prompt = n_ctx.saturating_add(n_in);
+        let (node, cached) = match (path, live.p) {
+            (Path::Pd, Some(p)) => (p.node, live.p_cached),
+            (Path::Pull, Some(p)) => (p.node, live.d_cached),
+            _ => (live.d.node, live.d_cached),
+        };
+        let tokens = prompt.saturating_sub(cached);
+        self.corrections
+            .observe_ttft(node, path, tokens, raw, observed_ms);
     }
 
     /// A decode step of `n`'s running sequences, ms.
@@ -622,9 +646,17 @@ mod tests {
             assert!(n < 50, "not converged after {n} samples");
         }
         assert_eq!(n, 1, "a fresh cell takes its first sample whole");
-        // Another node, path and size class are untouched.
+        // Another node is untouched; the same node's unsampled cells start
+        // from what its sampled ones learnt.
         let f = m.forecast(1000, 64, &live);
-        assert_eq!(f.pd.ttft_ms, m.predict(1000, 64, &live).pd.ttft_ms);
+        assert_eq!(
+            f.pd.ttft_ms,
+            m.predict(1000, 64, &live).pd.ttft_ms,
+            "pd is P's"
+        );
+        assert!((m.corrections.ttft_factor(1, Path::Local, 5000) - 2.0).abs() < 1e-9);
+        m.corrections.observe_ttft(1, Path::Local, 5000, 10.0, 10.0);
+        assert!((m.corrections.ttft_factor(1, Path::Local, 5000) - 1.0).abs() < 1e-9);
     }
 
     #[test]

@@ -111,7 +111,11 @@ impl DecisionEngine {
         }
         let w = **self.weights.load();
         let scored = score_in(&self.table.load(), input, w);
-        let forecast = match (policy.predicts(), input.live, self.cost.load().as_deref()) {
+        let forecast = match (
+            policy.kind().predicts(),
+            input.live,
+            self.cost.load().as_deref(),
+        ) {
             (true, Some(live), Some(m)) => Some(m.forecast(input.n_ctx, input.n_in, &live)),
             _ => None,
         };

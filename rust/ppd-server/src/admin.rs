@@ -29,6 +29,7 @@ pub fn routes() -> Router<Arc<AppState>> {
         .route("/admin/table/reload", post(reload))
         .route("/admin/weights", get(weights).put(set_weights))
         .route("/admin/policy", get(policy).put(set_policy))
+        .route("/admin/model", get(model))
         .route("/admin/stats", get(stats))
         .route("/admin/residency", post(residency))
 }
@@ -360,6 +361,39 @@ async fn set_weights(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) 
         }
         Err(e) => bad_request(e.to_string()),
     }
+}
+
+/// The cost model `ppd-live` predicts with: its profile, the SLOs, and the
+/// corrections learnt per node (observed ÷ predicted; 1 = the profile holds).
+async fn model(State(st): State<Arc<AppState>>, h: HeaderMap) -> Response {
+    authorized!(st, h);
+    let Some(m) = st.engine.cost_model() else {
+        return Json(json!({"profile": null})).into_response();
+    };
+    let nodes: Vec<_> = m
+        .corrections
+        .view()
+        .into_iter()
+        .map(|c| {
+            let url = st.registry.get(ppd_core::session::NodeId::new(c.node)?)?.url.clone();
+            Some(json!({
+                "node": url,
+                "ttft_factor": {"local": c.ttft[0], "pull": c.ttft[1], "pd": c.ttft[2]},
+                "ttft_samples": {"local": c.ttft_samples[0], "pull": c.ttft_samples[1], "pd": c.ttft_samples[2]},
+                "size_classes_tokens": [256, 2048, null],
+                "tpot_factor": c.tpot,
+                "tpot_samples": c.tpot_samples,
+            }))
+        })
+        .collect();
+    Json(json!({
+        "policy": st.engine.policy().to_string(),
+        "profile": m.profile().name,
+        "slo": st.engine.slo(),
+        "weights": {"w_ttft": st.engine.weights().w_ttft, "w_tpot": st.engine.weights().w_tpot},
+        "nodes": nodes,
+    }))
+    .into_response()
 }
 
 async fn policy(State(st): State<Arc<AppState>>, h: HeaderMap) -> Response {

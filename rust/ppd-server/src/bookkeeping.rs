@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use ppd_core::identity::{History, IdSource};
 use ppd_core::session::{Expected, NodeId, TurnRecord};
-use ppd_core::{Path, Role, Route};
+use ppd_core::{DecisionInput, Path, Role, Route};
 
 use crate::metrics::{ErrorLabels, PathLabel, RequestLabels};
 use crate::registry::Node;
@@ -67,6 +67,8 @@ pub(crate) struct Ticket {
     pub turn: u32,
     pub n_in: u32,
     pub route: Route,
+    /// What the route was decided on (its live view scores the prediction).
+    pub decided: DecisionInput,
     pub p: Option<Arc<Node>>,
     pub d: Arc<Node>,
     pub started: Instant,
@@ -108,6 +110,16 @@ impl Ticket {
         }
     }
 
+    /// Scores the cost model's TTFT prediction for the path taken against
+    /// what happened, so later predictions on its node are corrected.
+    fn correct_prediction(&self, observed_ms: f64) {
+        let (Some(live), Some(m)) = (self.decided.live, self.state.engine.cost_model()) else {
+            return;
+        };
+        let i = &self.decided;
+        m.observe_ttft(self.route.path, i.n_ctx, i.n_in, &live, observed_ms);
+    }
+
     /// A complete answer: session, latencies, KV accounting, node health.
     /// `answer` is the digest of the answer's text (a chat's).
     pub fn finish(
@@ -124,10 +136,9 @@ impl Ticket {
             path: self.route.path.as_str(),
         };
         if let Some(ft) = first_token {
-            st.metrics
-                .ttft
-                .get_or_create(&path)
-                .observe((ft - self.started).as_secs_f64());
+            let ttft = (ft - self.started).as_secs_f64();
+            st.metrics.ttft.get_or_create(&path).observe(ttft);
+            self.correct_prediction(ttft * 1000.0);
             if let Some(u) = usage.filter(|u| u.completion_tokens > 1) {
                 let tpot = (end - ft).as_secs_f64() / f64::from(u.completion_tokens - 1);
                 st.metrics.tpot.get_or_create(&path).observe(tpot);

@@ -4,7 +4,8 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 
 use ppd_core::layout::{parse_layout, Role};
-use ppd_core::{PolicyKind, Weights};
+use ppd_core::profile::Profile;
+use ppd_core::{PolicyKind, Slo, Weights};
 
 /// How the pd path moves KV from P to D.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -80,6 +81,15 @@ pub struct RouterConfig {
     pub policy: PolicyKind,
     /// Lookup table: a path, or `builtin:h100-1P3pD|h100-2P2pD|h100-3P1pD`.
     pub table: Option<String>,
+    /// The engine profile `ppd-live`'s cost model predicts with (built-in
+    /// name or TOML path; default: `emulator_profile` for an emulated
+    /// cluster, else the built-in H100 profile). Observed latencies correct
+    /// it online, per node.
+    pub engine_profile: Option<String>,
+    /// `ppd-live`'s SLO mode: the TTFT objective, ms (with `slo_tpot_ms`).
+    pub slo_ttft_ms: Option<f64>,
+    /// `ppd-live`'s SLO mode: the TPOT objective, ms (with `slo_ttft_ms`).
+    pub slo_tpot_ms: Option<f64>,
     pub w_ttft: f64,
     pub w_tpot: f64,
     pub kv_protocol: KvProtocol,
@@ -235,6 +245,9 @@ impl Default for RouterConfig {
             replica: vec![],
             emulated: None,
             emulator_profile: None,
+            engine_profile: None,
+            slo_ttft_ms: None,
+            slo_tpot_ms: None,
             policy: PolicyKind::Ppd,
             table: None,
             w_ttft: 1.0,
@@ -586,11 +599,44 @@ impl RouterConfig {
                 Some(parse_layout(layout).map_err(|e| bad("emulated", e.to_string()))?)
             }
         };
+        let slo = match (self.slo_ttft_ms, self.slo_tpot_ms) {
+            (None, None) => None,
+            (Some(ttft_ms), Some(tpot_ms)) => {
+                for (field, v) in [("slo_ttft_ms", ttft_ms), ("slo_tpot_ms", tpot_ms)] {
+                    positive(field, v)?;
+                }
+                Some(Slo { ttft_ms, tpot_ms })
+            }
+            (Some(_), None) => {
+                return Err(bad(
+                    "slo_tpot_ms",
+                    "SLO mode needs both slo_ttft_ms and slo_tpot_ms",
+                ))
+            }
+            (None, Some(_)) => {
+                return Err(bad(
+                    "slo_ttft_ms",
+                    "SLO mode needs both slo_ttft_ms and slo_tpot_ms",
+                ))
+            }
+        };
+        let profile_name = self
+            .engine_profile
+            .as_deref()
+            .or(self
+                .emulator_profile
+                .as_deref()
+                .filter(|_| self.emulated.is_some()))
+            .unwrap_or("default");
+        let profile = ppd_core::profiles::load_profile(profile_name)
+            .map_err(|e| bad("engine_profile", e.to_string()))?;
         Ok(Settings {
             cfg: self,
             weights,
             nodes: static_nodes,
             emulated,
+            profile,
+            slo,
         })
     }
 }
@@ -698,9 +744,19 @@ pub struct Settings {
     weights: Weights,
     nodes: Vec<(Role, NodeSpec)>,
     emulated: Option<Vec<Role>>,
+    profile: Profile,
+    slo: Option<Slo>,
 }
 
 impl Settings {
+    /// The engine profile of the cost model.
+    pub fn profile(&self) -> &Profile {
+        &self.profile
+    }
+    /// `ppd-live`'s SLO objectives, when set.
+    pub fn slo(&self) -> Option<Slo> {
+        self.slo
+    }
     pub fn config(&self) -> &RouterConfig {
         &self.cfg
     }

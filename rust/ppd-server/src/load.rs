@@ -107,6 +107,7 @@ pub fn restarted(before: &Scraped, now: &Scraped) -> bool {
 pub struct NodeLoad {
     prompt_tokens: AtomicU64,
     decode_tokens: AtomicU64,
+    context_tokens: AtomicU64,
     kv_bytes: AtomicU64,
     scraped: ArcSwapOption<Scraped>,
     scrape_failures: AtomicU64,
@@ -123,6 +124,9 @@ pub struct Work {
     pub prompt_tokens: u32,
     /// Tokens the node is expected to decode.
     pub decode_tokens: u32,
+    /// The whole prompt of a request the node decodes: the context its
+    /// decode steps attend over (0 on P).
+    pub context_tokens: u32,
     /// KV bytes handed to the node by a P.
     pub kv_bytes: u64,
 }
@@ -134,6 +138,7 @@ pub struct LoadSnapshot {
     pub inflight: u32,
     pub prompt_tokens: u64,
     pub decode_tokens: u64,
+    pub context_tokens: u64,
     pub kv_bytes: u64,
     /// The node's own figures, when a scrape within `stale_after_ms` had them.
     pub scraped: Option<Scraped>,
@@ -146,6 +151,8 @@ impl NodeLoad {
             .fetch_add(u64::from(w.prompt_tokens), Ordering::Relaxed);
         self.decode_tokens
             .fetch_add(u64::from(w.decode_tokens), Ordering::Relaxed);
+        self.context_tokens
+            .fetch_add(u64::from(w.context_tokens), Ordering::Relaxed);
         self.kv_bytes.fetch_add(w.kv_bytes, Ordering::Relaxed);
         WorkGuard {
             load: Arc::clone(self),
@@ -164,6 +171,7 @@ impl NodeLoad {
             inflight,
             prompt_tokens: self.prompt_tokens.load(Ordering::Relaxed),
             decode_tokens: self.decode_tokens.load(Ordering::Relaxed),
+            context_tokens: self.context_tokens.load(Ordering::Relaxed),
             kv_bytes: self.kv_bytes.load(Ordering::Relaxed),
             scraped,
         }
@@ -221,6 +229,8 @@ impl Drop for WorkGuard {
             .fetch_sub(u64::from(self.work.prompt_tokens), Ordering::Relaxed);
         l.decode_tokens
             .fetch_sub(u64::from(self.work.decode_tokens), Ordering::Relaxed);
+        l.context_tokens
+            .fetch_sub(u64::from(self.work.context_tokens), Ordering::Relaxed);
         l.kv_bytes.fetch_sub(self.work.kv_bytes, Ordering::Relaxed);
     }
 }
@@ -312,14 +322,20 @@ process_start_time_seconds 1.76e9
         let w = Work {
             prompt_tokens: 100,
             decode_tokens: 20,
+            context_tokens: 300,
             kv_bytes: 4096,
         };
         let g1 = load.add(w);
         let g2 = load.add(w);
         let s = load.snapshot(2, 0, 1000);
         assert_eq!(
-            (s.prompt_tokens, s.decode_tokens, s.kv_bytes),
-            (200, 40, 8192)
+            (
+                s.prompt_tokens,
+                s.decode_tokens,
+                s.context_tokens,
+                s.kv_bytes
+            ),
+            (200, 40, 600, 8192)
         );
         drop(g1);
         drop(g2);

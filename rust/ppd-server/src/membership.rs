@@ -44,11 +44,16 @@ pub fn register_node(
     (node, new)
 }
 
-/// Removes a node by URL and stops its KV-event subscriber; returns what went.
+/// Removes a node by URL, stops its KV-event subscriber and drops what the
+/// cost model learnt of it; returns what went.
 pub fn deregister_node(st: &AppState, url: &str) -> Vec<Arc<Node>> {
     let gone = st.registry.remove(url.trim_end_matches('/'));
+    let model = st.engine.cost_model();
     for n in &gone {
         n.kv.close();
+        if let Some(m) = &model {
+            m.corrections.forget(n.id.get());
+        }
     }
     gone
 }

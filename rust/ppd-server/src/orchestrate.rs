@@ -316,6 +316,7 @@ impl Run<'_> {
             turn: self.call.turn,
             n_in: self.call.n_in,
             route: *route,
+            decided: *self.plan.input(),
             p,
             d: Arc::clone(&d),
             started: self.call.started,

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use ppd_core::identity::hash_id;
 use ppd_core::session::NodeId;
-use ppd_core::{DecisionInput, Path, Reason, Residency, Role, Route};
+use ppd_core::{DecisionInput, LiveView, NodeView, Path, Reason, Residency, Role, Route};
 
 use crate::identify::Identified;
 use crate::load::Work;
@@ -45,6 +45,11 @@ pub(crate) enum Target {
 }
 
 impl Plan {
+    /// What the decision was made on.
+    pub fn input(&self) -> &DecisionInput {
+        &self.input
+    }
+
     /// What the plan puts on its decoding node, for the load figures: the
     /// prompt tokens it computes there, the tokens it decodes, the KV a P
     /// hands it.
@@ -63,6 +68,7 @@ impl Plan {
         Work {
             prompt_tokens,
             decode_tokens: i.n_out,
+            context_tokens: whole,
             kv_bytes,
         }
     }
@@ -132,6 +138,13 @@ pub(crate) fn plan(
                 .is_some_and(|n| st.pulls.ready(&id.conv, (n.id, n.load.epoch()), now)),
         live: None,
     };
+    let input = DecisionInput {
+        live: holder
+            .as_deref()
+            .filter(|_| f.turn > 1 && st.engine.policy().sees_load())
+            .map(|d| live_view(st, &input, id, d, now)),
+        ..input
+    };
     let route = st.engine.decide(&input)?;
     st.metrics.decision.observe(started.elapsed().as_secs_f64());
     let cell = route.scored.map(|s| {
@@ -139,11 +152,88 @@ pub(crate) fn plan(
         let (c, w, q) = table.describe(s.cell_at);
         (c.to_owned(), w.to_owned(), q)
     });
-    let plan = placed(st, route, input, holder, &id.conv, &[]);
+    let mut plan = placed(st, route, input, holder, &id.conv, &[]);
+    if let (1, Target::Pd(d)) = (f.turn, &plan.target) {
+        if st.engine.policy().predicts() {
+            // A Turn 1 is a pd prefill on P: its TTFT teaches P's
+            // corrections before any Turn 2 asks for them.
+            plan.input.live = Some(live_view(st, &plan.input, id, d, now));
+        }
+    }
     let route = plan.route;
     st.record_decision(route.path, route.reason, cell);
     tracing::debug!(conv = %id.conv, turn = f.turn, path = route.path.as_str(), reason = route.reason.as_str(), "route");
     Ok(plan)
+}
+
+/// What the decision sees of the session's D and of the P the pd and pull
+/// paths would use: the router's own work on them, their last scrape, and
+/// the prompt tokens each holds.
+fn live_view(
+    st: &AppState,
+    input: &DecisionInput,
+    id: &Identified,
+    d: &Node,
+    now: u64,
+) -> LiveView {
+    let stale = crate::load::stale_after_ms(st.cfg.load_interval);
+    let budget = st
+        .engine
+        .cost_model()
+        .map_or(0, |m| m.profile().max_num_batched_tokens);
+    let p = prefill_node(st, &[]);
+    let d_cached = match input.residency {
+        Residency::Cached(t) => t,
+        Residency::Lost => 0,
+        // The session vouches for the context.
+        Residency::Unknown => input.n_ctx,
+    };
+    let p_cached = match (&p, &id.prompt_ids) {
+        (Some(p), Some(ids)) => p.kv.cached_prefix_tokens(ids),
+        _ => 0,
+    };
+    let dl = d.load_snapshot(now, stale);
+    let decoding = u64::from(dl.inflight.max(1));
+    LiveView {
+        d: node_view(d, now, stale, budget),
+        p: p.as_deref().map(|p| node_view(p, now, stale, budget)),
+        d_cached,
+        p_cached,
+        mean_out_tokens: if dl.inflight == 0 {
+            f64::from(input.n_out)
+        } else {
+            (dl.decode_tokens / decoding) as f64
+        },
+    }
+}
+
+/// One node's load as the cost model reads it. The router knows its own
+/// requests exactly; a fresh scrape adds what other clients run there. The
+/// prompt work still queued is the router's in-flight prompt tokens on a P
+/// (its requests end with their prefill), and on a decoding node their
+/// share of the requests the node reports waiting.
+fn node_view(n: &Node, now: u64, stale: u64, token_budget: u32) -> NodeView {
+    let l = n.load_snapshot(now, stale);
+    let ours = l.inflight.max(1);
+    let (running, waiting) = match l.scraped {
+        Some(s) => (s.running.max(0.0) as u32, s.waiting.max(0.0) as u32),
+        None => (l.inflight, 0),
+    };
+    let queued = if n.role == Role::P {
+        l.prompt_tokens
+    } else {
+        l.prompt_tokens * u64::from(waiting.min(ours)) / u64::from(ours)
+    };
+    NodeView {
+        node: n.id.get(),
+        running: if n.role == Role::P { 0 } else { running },
+        decode_ctx_tokens: l.context_tokens / u64::from(ours) * u64::from(running),
+        queued_prefill_tokens: queued,
+        waiting,
+        link_bytes: 0,
+        kv_usage: l.scraped.map_or(0.0, |s| s.kv_usage),
+        token_budget,
+    }
 }
 
 /// Whether a pD is too busy for an append-prefill: the router's own requests

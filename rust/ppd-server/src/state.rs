@@ -84,6 +84,10 @@ impl AppState {
         let table = load_table(&table_spec)
             .map_err(|e| ServerError::Config(format!("invalid setting `table`: {e}")))?;
         let engine = DecisionEngine::new(table, cfg.policy, settings.weights());
+        engine.set_cost_model(Arc::new(ppd_core::CostModel::new(
+            settings.profile().clone(),
+        )));
+        engine.set_slo(settings.slo());
         let sessions = SessionTable::new(SessionConfig {
             ttl_ms: (cfg.session_ttl * 1000.0) as u64,
             capacity: cfg.session_capacity,

@@ -43,10 +43,6 @@ pub trait Policy: Send + Sync {
     fn replica_only(&self) -> bool {
         false
     }
-    /// Whether [`Policy::choose`] reads the cost model's forecast.
-    fn predicts(&self) -> bool {
-        false
-    }
 }
 
 /// The policies one engine can run, by name: `pd`, `local`, `pull`, `fraction:X`, `replica`,
@@ -76,6 +72,23 @@ pub enum PolicyKind {
 }
 
 impl PolicyKind {
+    /// Whether the policy predicts with the cost model (`ppd-live`).
+    pub fn predicts(self) -> bool {
+        self == PolicyKind::Live
+    }
+
+    /// Whether the policy reads the nodes' live state (the route step builds
+    /// a snapshot only for these).
+    pub fn sees_load(self) -> bool {
+        matches!(
+            self,
+            PolicyKind::Live
+                | PolicyKind::DynamoIsl
+                | PolicyKind::DynamoLoad
+                | PolicyKind::LlmdThreshold
+        )
+    }
+
     pub fn parse(s: &str) -> Result<PolicyKind, Error> {
         let s = s.trim();
         match s {

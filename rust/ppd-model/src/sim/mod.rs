@@ -15,8 +15,7 @@ use ppd_core::catalog::Workload;
 use ppd_core::layout::{parse_layout, Role};
 use ppd_core::qps::QpsEstimator;
 use ppd_core::{
-    CostModel, DecisionEngine, DecisionInput, Error, LiveView, Path, PolicyKind, Slo, Table,
-    Weights,
+    DecisionEngine, DecisionInput, Error, LiveView, Path, PolicyKind, Slo, Table, Weights,
 };
 
 use crate::engine::{mix64, Content, Engine, Event, Finish, Kind, Submit};
@@ -53,6 +52,11 @@ pub struct SimConfig {
     /// reports the share of requests that meet both.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slo: Option<Slo>,
+    /// The nodes run this many times slower than the profile the router
+    /// predicts with (hardware that drifted since calibration): its
+    /// corrections have to find it out.
+    #[serde(default = "one")]
+    pub node_slowdown: f64,
 }
 
 fn default_duration() -> f64 {
@@ -83,6 +87,7 @@ impl SimConfig {
             w_tpot: 1.0,
             conversations: None,
             slo: None,
+            node_slowdown: 1.0,
         }
     }
 }
@@ -137,6 +142,13 @@ pub struct SimResult {
     /// predicted (the cost model's error after its corrections); 0 otherwise.
     #[serde(default)]
     pub ttft_prediction_error: f64,
+    /// Predicted Turn 2+ requests until every later prediction was within
+    /// 25 % of what happened (how long the corrections took to settle).
+    #[serde(default)]
+    pub predictions_until_settled: u64,
+    /// Recompute-preemptions over all nodes (a KV pool that ran full).
+    #[serde(default)]
+    pub preemptions: u64,
 }
 
 /// A placeholder table for policies that never consult one.
@@ -189,11 +201,13 @@ struct Conv {
 
 #[derive(Debug, Clone, Copy)]
 struct Predicted {
-    raw_ms: f64,
+    /// The corrected prediction the decision saw (0: a Turn 1, which only
+    /// teaches the corrections).
     corrected_ms: f64,
-    node: u32,
     path: Path,
-    tokens: u32,
+    n_ctx: u32,
+    n_in: u32,
+    live: LiveView,
 }
 
 /// Whether a conversation's last turn left its KV on a D (not a replica).
@@ -428,7 +442,7 @@ impl<'a> Sim<'a> {
             input.live = Some(self.live_view(conv, d, prompt));
         }
         let route = self.router.decide(&input)?;
-        self.convs[conv as usize].predicted = self.predicted(&route, &input, prompt);
+        self.convs[conv as usize].predicted = Self::predicted(&route, &input);
         if turn > 1 {
             self.decided2 += 1;
             self.sent2 += 1;
@@ -477,6 +491,17 @@ impl<'a> Sim<'a> {
                     _ => Self::pick(&self.ds, &mut self.rr_d),
                 };
                 self.convs[conv as usize].d = Some(d);
+                if turn == 1 && self.router.policy().sees_load() {
+                    // A Turn 1 is a pd prefill on P: its TTFT teaches P's
+                    // corrections before any Turn 2 asks for them.
+                    self.convs[conv as usize].predicted = Some(Predicted {
+                        corrected_ms: 0.0,
+                        path: Path::Pd,
+                        n_ctx,
+                        n_in,
+                        live: self.live_view(conv, d, prompt),
+                    });
+                }
                 // Pull: P reads the context D holds over its link, then
                 // computes only the new tokens.
                 let remote = if route.path == Path::Pull { n_ctx } else { 0 };
@@ -496,25 +521,13 @@ impl<'a> Sim<'a> {
     }
 
     /// The prediction for the path taken, to score against what happens.
-    fn predicted(
-        &self,
-        route: &ppd_core::Route,
-        input: &DecisionInput,
-        prompt: u32,
-    ) -> Option<Predicted> {
-        let (f, live) = (route.forecast?, input.live?);
-        let m = self.router.cost_model()?;
-        let raw = m.predict(input.n_ctx, input.n_in, &live).get(route.path);
-        let node = match route.path {
-            Path::Local => live.d.node,
-            _ => live.p.map_or(live.d.node, |p| p.node),
-        };
+    fn predicted(route: &ppd_core::Route, input: &DecisionInput) -> Option<Predicted> {
         Some(Predicted {
-            raw_ms: raw.ttft_ms,
-            corrected_ms: f.get(route.path).ttft_ms,
-            node,
+            corrected_ms: route.forecast?.get(route.path).ttft_ms,
             path: route.path,
-            tokens: CostModel::computed_tokens(route.path, prompt, &live),
+            n_ctx: input.n_ctx,
+            n_in: input.n_in,
+            live: input.live?,
         })
     }
 
@@ -675,8 +688,14 @@ impl<'a> Sim<'a> {
                             }
                             if let Some(pr) = c.predicted.take() {
                                 if let Some(m) = self.router.cost_model() {
-                                    m.corrections
-                                        .observe_ttft(pr.node, pr.path, pr.tokens, pr.raw_ms, ttft);
+                                    // From the router's send: a Turn 1's TTFT includes the client's queue.
+                                    m.observe_ttft(
+                                        pr.path,
+                                        pr.n_ctx,
+                                        pr.n_in,
+                                        &pr.live,
+                                        first - c.sent,
+                                    );
                                 }
                                 if pr.corrected_ms > 0.0 && ttft > 0.0 {
                                     self.prediction_errors
@@ -790,6 +809,16 @@ impl<'a> Sim<'a> {
             } else {
                 self.slo_met[1] as f64 / self.sent2 as f64
             },
+            preemptions: self
+                .nodes
+                .iter()
+                .map(|n| n.snapshot().stats.preemptions)
+                .sum(),
+            predictions_until_settled: self
+                .prediction_errors
+                .iter()
+                .rposition(|&e| e > 1.25f64.ln())
+                .map_or(0, |i| i as u64 + 1),
             ttft_prediction_error: {
                 let mut e = std::mem::take(&mut self.prediction_errors);
                 e.sort_by(f64::total_cmp);
@@ -899,7 +928,9 @@ pub fn simulate(
         _ => placeholder_table()?,
     };
     let router = DecisionEngine::new(table, kind, Weights::new(cfg.w_ttft, cfg.w_tpot)?);
-    router.set_cost_model(std::sync::Arc::new(CostModel::new(profile.clone())));
+    router.set_cost_model(std::sync::Arc::new(ppd_core::CostModel::new(
+        profile.clone(),
+    )));
     router.set_slo(cfg.slo);
     let idx = |f: fn(Role) -> bool| -> Vec<usize> {
         roles
@@ -925,7 +956,28 @@ pub fn simulate(
     } else {
         rs.len() as f64 / (rs.len() + ds.len()) as f64
     };
-    let nodes = roles.iter().map(|_| Engine::new(profile, false)).collect();
+    if !cfg.node_slowdown.is_finite() || !(0.01..=100.0).contains(&cfg.node_slowdown) {
+        return Err(Error::Config(format!(
+            "node_slowdown must be in [0.01, 100], got {}",
+            cfg.node_slowdown
+        )));
+    }
+    let mut node_profile = profile.clone();
+    let st = &mut node_profile.step;
+    for cost in [
+        &mut st.overhead_ms,
+        &mut st.per_token_ms,
+        &mut st.per_seq_ms,
+        &mut st.prefill_token_ms,
+        &mut st.attn_ms_per_mpair,
+        &mut st.decode_ctx_ms_per_ktoken,
+    ] {
+        *cost *= cfg.node_slowdown;
+    }
+    let nodes = roles
+        .iter()
+        .map(|_| Engine::new(&node_profile, false))
+        .collect();
     let sim = Sim {
         cfg,
         p: profile,

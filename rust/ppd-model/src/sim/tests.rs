@@ -251,3 +251,76 @@ fn a_push_inside_ps_step_makes_one_p_a_bottleneck_under_load() {
     p.link.push_ms = 0.0;
     assert_eq!(t2("1P_3D", &p), base1);
 }
+
+#[test]
+fn the_cost_model_finds_out_nodes_twice_as_slow_as_its_profile() {
+    let mut cfg = SimConfig::new("1P3pD", "ppd-live", "large_mid_bal", 4.0);
+    cfg.duration_s = 30.0;
+    cfg.node_slowdown = 2.0;
+    let r = simulate(&cfg, &profile(), None).unwrap();
+    // Uncorrected, every prediction would be about half the truth: |ln| ≈ 0.69.
+    assert!(
+        r.ttft_prediction_error < 0.15,
+        "median error {}",
+        r.ttft_prediction_error
+    );
+    // Turn 1s teach P, the first Turn 2 on each pD teaches it (those in
+    // flight together are all still off): within 25 % for good after 10.
+    assert!(
+        r.predictions_until_settled <= 10,
+        "settled after {}",
+        r.predictions_until_settled
+    );
+    assert!(r.turn2plus.count > 80);
+}
+
+#[test]
+fn ppd_live_appends_on_an_idle_cluster_and_moves_prefills_off_a_crowded_d() {
+    let quiet = run("1P3pD", "ppd-live", "large_tiny", 0.5);
+    assert!(quiet.local_share > 0.95, "{}", quiet.local_share);
+    // One pD decoding everything with big pastes arriving: local would stall
+    // it, so a share goes through P (pull reads D's context back).
+    let mut cfg = SimConfig::new("3P1pD", "ppd-live", "large_huge_paste", 8.0);
+    cfg.w_tpot = 3.0;
+    let busy = simulate(&cfg, &profile(), None).unwrap();
+    assert!(busy.local_share < 0.9, "{}", busy.local_share);
+    assert!(busy.pull_share > 0.0, "{}", busy.pull_share);
+}
+
+#[test]
+fn the_anchors_rules_run_in_the_simulator() {
+    for policy in ["dynamo-isl", "dynamo-load", "llmd-threshold"] {
+        let r = run("2P2pD", policy, "small_mid_bal", 2.0);
+        assert_eq!(r.success_rate, 1.0, "{policy}");
+        assert_eq!(r.turn1.count, r.turn2plus.count, "{policy}");
+    }
+    // Dynamo's ISL bound: a 32-token follow-up over a 1,024-token context is
+    // short and a minor share of the prompt; a 1,024-token paste is not.
+    assert_eq!(
+        run("2P2pD", "dynamo-isl", "large_tiny", 2.0).local_share,
+        1.0
+    );
+    assert_eq!(
+        run("2P2pD", "llmd-threshold", "large_tiny", 2.0).local_share,
+        0.0
+    );
+}
+
+#[test]
+fn slo_mode_reports_the_share_that_met_both_objectives() {
+    let mut cfg = SimConfig::new("2P2pD", "ppd-live", "small_mid_bal", 2.0);
+    cfg.slo = Some(ppd_core::Slo {
+        ttft_ms: 10_000.0,
+        tpot_ms: 1_000.0,
+    });
+    let r = simulate(&cfg, &profile(), None).unwrap();
+    assert_eq!(r.slo_attainment, 1.0);
+    cfg.slo = Some(ppd_core::Slo {
+        ttft_ms: 0.001,
+        tpot_ms: 1_000.0,
+    });
+    assert_eq!(
+        simulate(&cfg, &profile(), None).unwrap().slo_attainment,
+        0.0
+    );
+}
