@@ -107,7 +107,26 @@ def summary(path: Path) -> str:
                 lines.append(f"| {setting} | {label}: {pol} instead | {n} | {t1} | {t2} |")
     out = ["## Goal A (TTFT / TPOT best-or-tie within 1 % against both pd and local)", "",
            "| setting | points | n | TTFT wins or ties | TPOT wins or ties |", "|---|---|---:|---:|---:|", *lines, ""]
-    out += ["## Goal B (SLO attainment, all requests)", "",
+    out += ["## ppd-live against each policy, weights (1, 1), Turn-2+ means", "",
+            "| policy | points | no worse on both (within 1 %) | better on both | TTFT within 1 % | TPOT within 1 % |",
+            "|---|---:|---:|---:|---:|---:|"]
+    w1 = [v for (s, _), v in by.items() if s == "w1" and live in v]
+    for pol in POLICIES:
+        if pol == live:
+            continue
+        both = better = t_ok = p_ok = n = 0
+        for v in w1:
+            if pol not in v:
+                continue
+            n += 1
+            mt, mp = v[live]["turn2plus"]["avg_ttft_ms"], v[live]["turn2plus"]["avg_tpot_ms"]
+            ot, op = v[pol]["turn2plus"]["avg_ttft_ms"], v[pol]["turn2plus"]["avg_tpot_ms"]
+            t_ok += mt <= 1.01 * ot
+            p_ok += mp <= 1.01 * op
+            both += mt <= 1.01 * ot and mp <= 1.01 * op
+            better += mt < ot and mp < op
+        out.append(f"| {pol} | {n} | {both} | {better} | {t_ok} | {p_ok} |")
+    out += ["", "## Goal B (SLO attainment, all requests)", "",
             "| SLO | points | ppd-live ≥ every other − 1 pt | points where some policy misses | ppd-live strictly best there |",
             "|---|---:|---:|---:|---:|"]
     for name in SLOS:

@@ -139,11 +139,25 @@ class Route:
     def score(self) -> Optional[float]: ...
     @property
     def cell(self) -> Optional[ScoredCell]: ...
+    @property
+    def forecast(self) -> Optional[dict[str, dict[str, float]]]:
+        """Per path (`pd`, `local`, `pull`): predicted `ttft_ms`, the `tpot_added_ms` its prefill adds to each
+        of the `corunners` decoding on D, D's `base_tpot_ms`, and the `tpot_burden` Equation 1 weighs."""
     def to_dict(self) -> dict[str, Any]: ...
 
 @final
 class DecisionEngine:
-    def __new__(cls, table: Table, policy: str = "ppd", w_ttft: float = 1.0, w_tpot: float = 1.0) -> Self: ...
+    def __new__(
+        cls,
+        table: Table,
+        policy: str = "ppd",
+        w_ttft: float = 1.0,
+        w_tpot: float = 1.0,
+        *,
+        profile: str = "default",
+        slo_ttft_ms: Optional[float] = None,
+        slo_tpot_ms: Optional[float] = None,
+    ) -> Self: ...
     def decide(
         self,
         turn: int,
@@ -163,6 +177,7 @@ class DecisionEngine:
         cached_tokens: Optional[int] = None,
         prefix_mismatch: bool = False,
         pull_ready: bool = False,
+        live: Optional[str] = None,
     ) -> Route:
         """Route one request (Algorithm 1, Phase 2, plus session and node vetoes)."""
     def set_weights(self, w_ttft: float, w_tpot: float) -> None: ...

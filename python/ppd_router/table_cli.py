@@ -14,7 +14,10 @@ from ppd_router import DecisionEngine, Table
 
 def _engine(args: argparse.Namespace) -> tuple[Table, DecisionEngine]:
     table = Table.load(args.path)
-    return table, DecisionEngine(table, args.policy, args.w_ttft, args.w_tpot)
+    live_settings = {
+        k: getattr(args, k) for k in ("profile", "slo_ttft_ms", "slo_tpot_ms") if getattr(args, k, None) is not None
+    }
+    return table, DecisionEngine(table, args.policy, args.w_ttft, args.w_tpot, **live_settings)
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -63,6 +66,8 @@ def _decide(args: argparse.Namespace) -> int:
         args.ctx,
         args.qps,
         conversation_id=args.conversation_id,
+        pull_ready=args.pull_ready,
+        live=args.live,
     )
     sys.stdout.write(orjson.dumps(route.to_dict()).decode() + "\n")
     return 0
@@ -76,7 +81,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         q.add_argument("path", help="ppd-table/1 JSON file")
         q.add_argument("--w-ttft", type=float, default=1.0, help="weight of TTFT gain (default 1)")
         q.add_argument("--w-tpot", type=float, default=1.0, help="weight of TPOT loss (default 1)")
-        q.add_argument("--policy", default="ppd", help="ppd | pd | local | fraction:X | replica")
+        q.add_argument(
+            "--policy",
+            default="ppd",
+            help="ppd | ppd-live | pd | local | pull | fraction:X | replica | dynamo-isl | dynamo-load "
+            "| llmd-threshold",
+        )
 
     show = tsub.add_parser("show", help="print the grid with each cell's decision")
     common(show)
@@ -90,4 +100,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     dec.add_argument("--ctx", type=int, required=True)
     dec.add_argument("--qps", type=float, required=True)
     dec.add_argument("--conversation-id", default=None, help="for the fraction policy's hash")
+    dec.add_argument(
+        "--live",
+        default=None,
+        metavar="JSON",
+        help='the nodes as ppd-live and the anchors see them, e.g. \'{"d": {"running": 120, '
+        '"decode_ctx_tokens": 240000}, "p": {"queued_prefill_tokens": 4000, "waiting": 2}, '
+        '"d_cached": 2000, "mean_out_tokens": 200}\'; the answer then carries the forecast',
+    )
+    dec.add_argument("--pull-ready", action="store_true", help="D pins the conversation's KV: pull is feasible")
+    dec.add_argument("--profile", default=None, help="engine profile of the cost model (default h100-llama3.1-8b)")
+    dec.add_argument("--slo-ttft-ms", type=float, default=None, help="ppd-live SLO mode: TTFT objective")
+    dec.add_argument("--slo-tpot-ms", type=float, default=None, help="ppd-live SLO mode: TPOT objective")
     dec.set_defaults(func=_decide)

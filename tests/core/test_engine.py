@@ -139,3 +139,48 @@ def test_decide_is_total_and_consistent_with_its_score(turn, n_in, n_out, n_ctx,
         assert (r.path == "local") == (r.score > 0)
         expect = w[0] * r.cell["d_ttft"] - w[1] * r.cell["d_tpot"]
         assert r.score == pytest.approx(expect, rel=1e-9, abs=1e-12)
+
+
+def live_view(running: int, p_queued: int = 0) -> str:
+    return json.dumps(
+        {
+            "d": {"node": 1, "running": running, "decode_ctx_tokens": running * 2000},
+            "p": {"node": 2, "queued_prefill_tokens": p_queued, "waiting": 1 if p_queued else 0},
+            "d_cached": 2000,
+            "mean_out_tokens": 200,
+        }
+    )
+
+
+def test_ppd_live_answers_with_its_forecast_and_flips_with_the_load(table):
+    engine = DecisionEngine(table, "ppd-live", 1.0, 3.0)
+    idle = engine.decide(2, 512, 64, 2000, 4.0, live=live_view(0))
+    assert (idle.path, idle.reason) == ("local", "cost_model")
+    f = idle.forecast
+    assert f is not None and set(f) == {"pd", "local", "pull"}
+    assert f["local"]["ttft_ms"] < f["pd"]["ttft_ms"]
+    assert f["local"]["tpot_burden"] == 0.0
+    busy = engine.decide(2, 512, 64, 2000, 4.0, live=live_view(200))
+    assert (busy.path, busy.reason) == ("pd", "cost_model")
+    assert busy.forecast["local"]["corunners"] == 200
+    assert busy.forecast["local"]["tpot_burden"] > busy.forecast["pd"]["tpot_burden"]
+    # With D's pin named, the pull path computes only the new tokens on P.
+    pulled = engine.decide(2, 512, 64, 2000, 4.0, live=live_view(200), pull_ready=True)
+    assert (pulled.path, pulled.reason) == ("pull", "cost_model")
+    assert "forecast" in pulled.to_dict()
+
+
+def test_ppd_live_without_a_live_view_falls_back_to_the_table(table):
+    engine = DecisionEngine(table, "ppd-live")
+    r = engine.decide(2, 16, 32, 100, 1.0)
+    assert r.forecast is None
+    assert r.reason in ("score_positive", "score_negative")
+
+
+def test_ppd_live_settings_are_checked(table):
+    with pytest.raises(ValueError, match="slo_ttft_ms"):
+        DecisionEngine(table, "ppd-live", slo_ttft_ms=100.0)
+    with pytest.raises(ValueError, match="live"):
+        DecisionEngine(table, "ppd-live").decide(2, 16, 32, 100, 1.0, live='{"d": {"runing": 3}}')
+    with pytest.raises(ValueError, match="profile"):
+        DecisionEngine(table, "ppd-live", profile="/nonexistent.toml")

@@ -9,7 +9,9 @@ use ppd_core::residency::{BlockIndex, KvEvent};
 use ppd_core::session::{NodeId, SessionConfig, SessionTable};
 use ppd_core::table::{Cell, Measurement, Table};
 use ppd_core::tokens::WordRule;
-use ppd_core::{DecisionEngine, DecisionInput, PolicyKind, Residency, Weights};
+use ppd_core::{
+    CostModel, DecisionEngine, DecisionInput, LiveView, NodeView, PolicyKind, Residency, Weights,
+};
 use std::hint::black_box;
 
 fn table() -> Table {
@@ -87,6 +89,50 @@ fn bench(c: &mut Criterion) {
                 ..DecisionInput::turn(2, 64, 128, 2_048, 4.0)
             };
             black_box(engine.decide(black_box(&input)).unwrap())
+        })
+    });
+
+    // ppd-live: the same decision with the cost model's three-path forecast
+    // (and its corrections looked up) on a busy D and a queued P.
+    let live_engine = DecisionEngine::new(table(), PolicyKind::Live, Weights::default());
+    let model = CostModel::new(ppd_core::profiles::default_profile());
+    for node in 0..8 {
+        model
+            .corrections
+            .observe_ttft(node, ppd_core::Path::Local, 64, 50.0, 60.0);
+    }
+    live_engine.set_cost_model(std::sync::Arc::new(model));
+    let mut l = 0u32;
+    c.bench_function("decide_ppd_live", |b| {
+        b.iter(|| {
+            l = l.wrapping_add(1);
+            let d = NodeView {
+                node: l % 4,
+                running: 40 + l % 80,
+                decode_ctx_tokens: 200_000,
+                queued_prefill_tokens: u64::from(l % 3) * 2_000,
+                waiting: l % 3,
+                ..NodeView::default()
+            };
+            let p = NodeView {
+                node: 4 + l % 4,
+                queued_prefill_tokens: u64::from(l % 5) * 4_000,
+                waiting: l % 5,
+                ..NodeView::default()
+            };
+            let input = DecisionInput {
+                conv_hash: u64::from(l),
+                pull_ready: true,
+                live: Some(LiveView {
+                    d,
+                    p: Some(p),
+                    d_cached: 2_048,
+                    p_cached: 0,
+                    mean_out_tokens: 200.0,
+                }),
+                ..DecisionInput::turn(2, 32 + (l % 900), 128, 2_048, 4.0)
+            };
+            black_box(live_engine.decide(black_box(&input)).unwrap())
         })
     });
 

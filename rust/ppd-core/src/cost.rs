@@ -24,7 +24,8 @@ use crate::route::Path;
 
 /// One node as the decision sees it: the router's own accounting and the
 /// node's last scrape, read as a snapshot.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct NodeView {
     /// The router's id of the node (the key of its corrections).
     pub node: u32,
@@ -46,7 +47,8 @@ pub struct NodeView {
 }
 
 /// What the decision sees of the cluster for one Turn 2+ request.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct LiveView {
     /// The session's D (or pD).
     pub d: NodeView,
@@ -63,7 +65,7 @@ pub struct LiveView {
 }
 
 /// The prediction for one path.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
 pub struct PathCost {
     /// The request's time to first token, ms.
     pub ttft_ms: f64,
@@ -88,9 +90,8 @@ impl PathCost {
     }
 }
 
-/// The three paths' predictions; `local` and `pull` are present where the
-/// request has a D holding its context.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+/// The three paths' predictions (what each would cost, feasible or not).
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
 pub struct Forecast {
     pub pd: PathCost,
     pub local: PathCost,
@@ -409,6 +410,21 @@ impl CostModel {
             pc.tpot_added_ms *= t;
             pc.base_tpot_ms *= t;
         }
+    }
+
+    /// Scores the TPOT observed on D against the decode step the profile
+    /// predicted there when the request was decided (the correction then
+    /// carries the stalls of the prefills that ran beside it, on average).
+    pub fn observe_tpot(
+        &self,
+        path: Path,
+        n_ctx: u32,
+        n_in: u32,
+        live: &LiveView,
+        observed_ms: f64,
+    ) {
+        let raw = self.predict(n_ctx, n_in, live).get(path).base_tpot_ms;
+        self.corrections.observe_tpot(live.d.node, raw, observed_ms);
     }
 
     /// Scores the TTFT observed on `path` against what the profile

@@ -436,6 +436,21 @@ impl Engine {
         v
     }
 
+    /// The harmonic mean of the output lengths of the sequences decoding:
+    /// the scale of a stall in their mean TPOT (a stall of t ms adds t/n to
+    /// the TPOT of a sequence of n tokens). `None` with none decoding.
+    pub fn mean_out_harmonic(&self) -> Option<f64> {
+        let (mut n, mut inv) = (0u32, 0.0f64);
+        for &slot in &self.running {
+            let seq = self.seq(slot);
+            if seq.computed >= seq.prompt_len {
+                n += 1;
+                inv += 1.0 / f64::from(seq.max_out.max(1));
+            }
+        }
+        (n > 0).then(|| f64::from(n) / inv)
+    }
+
     /// Leading tokens of `content`'s first `prompt_len` that the prefix cache
     /// holds, capped as vLLM caps a hit (the last prompt token is computed).
     pub fn cached_prefix(&self, content: &Content, prompt_len: u32) -> u32 {

@@ -297,6 +297,8 @@ struct Route {
     score: Option<f64>,
     #[pyo3(get)]
     cell: Option<Py<PyDict>>,
+    /// The cost model's predictions per path (`ppd-live` with a live view), as JSON.
+    forecast: Option<String>,
 }
 
 #[pymethods]
@@ -307,7 +309,19 @@ impl Route {
         d.set_item("reason", self.reason)?;
         d.set_item("score", self.score)?;
         d.set_item("cell", self.cell.as_ref().map(|c| c.clone_ref(py)))?;
+        d.set_item("forecast", self.forecast(py)?)?;
         Ok(d.unbind())
+    }
+    /// Per path (`pd`, `local`, `pull`): predicted `ttft_ms`, the
+    /// `tpot_added_ms` its prefill adds to each of the `corunners` decoding
+    /// on D, D's `base_tpot_ms`, and the `tpot_burden` Equation 1 weighs.
+    #[getter]
+    fn forecast(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
+        let Some(f) = &self.forecast else {
+            return Ok(None);
+        };
+        let json = py.import("json")?;
+        Ok(Some(json.call_method1("loads", (f.as_str(),))?.unbind()))
     }
     fn __repr__(&self) -> String {
         format!(
@@ -315,6 +329,19 @@ impl Route {
             self.path, self.reason, self.score
         )
     }
+}
+
+fn forecast_json(f: ppd_core::Forecast) -> String {
+    let path = |c: ppd_core::PathCost| {
+        serde_json::json!({
+            "ttft_ms": c.ttft_ms,
+            "tpot_added_ms": c.tpot_added_ms,
+            "corunners": c.corunners,
+            "base_tpot_ms": c.base_tpot_ms,
+            "tpot_burden": c.tpot_burden(),
+        })
+    };
+    serde_json::json!({"pd": path(f.pd), "local": path(f.local), "pull": path(f.pull)}).to_string()
 }
 
 /// The decision engine of Algorithm 1: a table, weights and a policy.
@@ -326,11 +353,33 @@ struct DecisionEngine {
 #[pymethods]
 impl DecisionEngine {
     #[new]
-    #[pyo3(signature = (table, policy = "ppd", w_ttft = 1.0, w_tpot = 1.0))]
-    fn new(table: &Table, policy: &str, w_ttft: f64, w_tpot: f64) -> PyResult<Self> {
+    #[pyo3(signature = (table, policy = "ppd", w_ttft = 1.0, w_tpot = 1.0, *, profile = "default", slo_ttft_ms = None, slo_tpot_ms = None))]
+    fn new(
+        table: &Table,
+        policy: &str,
+        w_ttft: f64,
+        w_tpot: f64,
+        profile: &str,
+        slo_ttft_ms: Option<f64>,
+        slo_tpot_ms: Option<f64>,
+    ) -> PyResult<Self> {
         let kind = PolicyKind::parse(policy).map_err(to_py)?;
         let w = Weights::new(w_ttft, w_tpot).map_err(to_py)?;
         let engine = ppd_core::DecisionEngine::new((*table.inner).clone(), kind, w);
+        let profile = ppd_core::profiles::load_profile(profile).map_err(to_py)?;
+        engine.set_cost_model(Arc::new(ppd_core::CostModel::new(profile)));
+        let slo = match (slo_ttft_ms, slo_tpot_ms) {
+            (None, None) => None,
+            (Some(ttft_ms), Some(tpot_ms)) if ttft_ms > 0.0 && tpot_ms > 0.0 => {
+                Some(ppd_core::Slo { ttft_ms, tpot_ms })
+            }
+            _ => {
+                return Err(invalid(
+                    "SLO mode needs both slo_ttft_ms and slo_tpot_ms, each > 0",
+                ))
+            }
+        };
+        engine.set_slo(slo);
         Ok(DecisionEngine {
             inner: Arc::new(engine),
         })
@@ -341,7 +390,7 @@ impl DecisionEngine {
     /// its KV lost (`kv_lost`) or mostly not cached (`cached_tokens`), or
     /// the request's history not the one the last turn ended with
     /// (`prefix_mismatch`); pull needs D's pin named (`pull_ready`).
-    #[pyo3(signature = (turn, n_in, n_out, n_ctx, qps, *, conversation_id = None, has_session = true, d_available = true, d_overloaded = false, d_local_capable = true, replica_share = 0.0, session_on_replica = false, kv_lost = false, cached_tokens = None, prefix_mismatch = false, pull_ready = false))]
+    #[pyo3(signature = (turn, n_in, n_out, n_ctx, qps, *, conversation_id = None, has_session = true, d_available = true, d_overloaded = false, d_local_capable = true, replica_share = 0.0, session_on_replica = false, kv_lost = false, cached_tokens = None, prefix_mismatch = false, pull_ready = false, live = None))]
     #[allow(clippy::too_many_arguments)]
     fn decide(
         &self,
@@ -362,7 +411,11 @@ impl DecisionEngine {
         cached_tokens: Option<i64>,
         prefix_mismatch: bool,
         pull_ready: bool,
+        live: Option<&str>,
     ) -> PyResult<Route> {
+        let live: Option<ppd_core::LiveView> = live
+            .map(|j| serde_json::from_str(j).map_err(|e| invalid(format!("live: {e}"))))
+            .transpose()?;
         let residency = match (kv_lost, cached_tokens) {
             (true, _) => Residency::Lost,
             (false, Some(t)) => Residency::Cached(count_arg("cached_tokens", t)?),
@@ -384,7 +437,7 @@ impl DecisionEngine {
             replica_share,
             session_on_replica,
             pull_ready,
-            live: None,
+            live,
         };
         let route = self.inner.decide(&input).map_err(to_py)?;
         let table = self.inner.table();
@@ -398,6 +451,7 @@ impl DecisionEngine {
             reason: route.reason.as_str(),
             score: route.scored.map(|s| s.score),
             cell,
+            forecast: route.forecast.map(forecast_json),
         })
     }
 

@@ -120,6 +120,15 @@ impl Ticket {
         m.observe_ttft(self.route.path, i.n_ctx, i.n_in, &live, observed_ms);
     }
 
+    /// Scores the answer's TPOT against D's decode step as predicted when it was decided.
+    fn correct_tpot(&self, observed_ms: f64) {
+        let (Some(live), Some(m)) = (self.decided.live, self.state.engine.cost_model()) else {
+            return;
+        };
+        let i = &self.decided;
+        m.observe_tpot(self.route.path, i.n_ctx, i.n_in, &live, observed_ms);
+    }
+
     /// A complete answer: session, latencies, KV accounting, node health.
     /// `answer` is the digest of the answer's text (a chat's).
     pub fn finish(
@@ -142,6 +151,7 @@ impl Ticket {
             if let Some(u) = usage.filter(|u| u.completion_tokens > 1) {
                 let tpot = (end - ft).as_secs_f64() / f64::from(u.completion_tokens - 1);
                 st.metrics.tpot.get_or_create(&path).observe(tpot);
+                self.correct_tpot(tpot * 1000.0);
             }
         }
         if let Some(u) = usage {

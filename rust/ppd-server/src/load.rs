@@ -108,6 +108,8 @@ pub struct NodeLoad {
     prompt_tokens: AtomicU64,
     decode_tokens: AtomicU64,
     context_tokens: AtomicU64,
+    /// Σ 1e6 / decode tokens over the requests decoding (their harmonic mean).
+    inv_decode_micros: AtomicU64,
     kv_bytes: AtomicU64,
     scraped: ArcSwapOption<Scraped>,
     scrape_failures: AtomicU64,
@@ -131,6 +133,25 @@ pub struct Work {
     pub kv_bytes: u64,
 }
 
+impl Work {
+    /// 1e6 / the tokens it decodes (0 for none): summed over a node's
+    /// requests, their harmonic mean output length.
+    fn inv_decode_micros(&self) -> u64 {
+        1_000_000u64
+            .checked_div(u64::from(self.decode_tokens))
+            .unwrap_or(0)
+    }
+}
+
+impl LoadSnapshot {
+    /// The harmonic mean of the output lengths the node decodes for the
+    /// router: a stall of t ms adds t/n to the TPOT of an answer of n tokens.
+    pub fn mean_out_harmonic(&self) -> Option<f64> {
+        (self.inv_decode_micros > 0 && self.inflight > 0)
+            .then(|| f64::from(self.inflight) * 1e6 / self.inv_decode_micros as f64)
+    }
+}
+
 /// What the route step sees of a node's load.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct LoadSnapshot {
@@ -139,6 +160,8 @@ pub struct LoadSnapshot {
     pub prompt_tokens: u64,
     pub decode_tokens: u64,
     pub context_tokens: u64,
+    /// Σ 1e6 / decode tokens of the requests it decodes.
+    pub inv_decode_micros: u64,
     pub kv_bytes: u64,
     /// The node's own figures, when a scrape within `stale_after_ms` had them.
     pub scraped: Option<Scraped>,
@@ -153,6 +176,8 @@ impl NodeLoad {
             .fetch_add(u64::from(w.decode_tokens), Ordering::Relaxed);
         self.context_tokens
             .fetch_add(u64::from(w.context_tokens), Ordering::Relaxed);
+        self.inv_decode_micros
+            .fetch_add(w.inv_decode_micros(), Ordering::Relaxed);
         self.kv_bytes.fetch_add(w.kv_bytes, Ordering::Relaxed);
         WorkGuard {
             load: Arc::clone(self),
@@ -172,6 +197,7 @@ impl NodeLoad {
             prompt_tokens: self.prompt_tokens.load(Ordering::Relaxed),
             decode_tokens: self.decode_tokens.load(Ordering::Relaxed),
             context_tokens: self.context_tokens.load(Ordering::Relaxed),
+            inv_decode_micros: self.inv_decode_micros.load(Ordering::Relaxed),
             kv_bytes: self.kv_bytes.load(Ordering::Relaxed),
             scraped,
         }
@@ -231,6 +257,8 @@ impl Drop for WorkGuard {
             .fetch_sub(u64::from(self.work.decode_tokens), Ordering::Relaxed);
         l.context_tokens
             .fetch_sub(u64::from(self.work.context_tokens), Ordering::Relaxed);
+        l.inv_decode_micros
+            .fetch_sub(self.work.inv_decode_micros(), Ordering::Relaxed);
         l.kv_bytes.fetch_sub(self.work.kv_bytes, Ordering::Relaxed);
     }
 }

@@ -193,17 +193,12 @@ fn live_view(
         _ => 0,
     };
     let dl = d.load_snapshot(now, stale);
-    let decoding = u64::from(dl.inflight.max(1));
     LiveView {
         d: node_view(d, now, stale, budget),
         p: p.as_deref().map(|p| node_view(p, now, stale, budget)),
         d_cached,
         p_cached,
-        mean_out_tokens: if dl.inflight == 0 {
-            f64::from(input.n_out)
-        } else {
-            (dl.decode_tokens / decoding) as f64
-        },
+        mean_out_tokens: dl.mean_out_harmonic().unwrap_or(f64::from(input.n_out)),
     }
 }
 

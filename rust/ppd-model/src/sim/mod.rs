@@ -413,7 +413,7 @@ impl<'a> Sim<'a> {
             p: p.map(view),
             d_cached: self.nodes[d].cached_prefix(&content, prompt),
             p_cached: p.map_or(0, |p| self.nodes[p].cached_prefix(&content, prompt)),
-            mean_out_tokens: self.mean_out,
+            mean_out_tokens: self.nodes[d].mean_out_harmonic().unwrap_or(self.mean_out),
         }
     }
 
@@ -696,6 +696,9 @@ impl<'a> Sim<'a> {
                                         &pr.live,
                                         first - c.sent,
                                     );
+                                    if let Some(tpot) = tpot {
+                                        m.observe_tpot(pr.path, pr.n_ctx, pr.n_in, &pr.live, tpot);
+                                    }
                                 }
                                 if pr.corrected_ms > 0.0 && ttft > 0.0 {
                                     self.prediction_errors
