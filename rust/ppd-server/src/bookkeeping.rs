@@ -12,6 +12,7 @@ use crate::metrics::{ErrorLabels, PathLabel, RequestLabels};
 use crate::registry::Node;
 use crate::sse::Usage;
 use crate::state::AppState;
+use crate::trail::{ConvHash, Line, Trail};
 
 /// How long before a pin's end the router stops naming it: vLLM's P declines
 /// a read within 5 s of it (`_KV_BLOCKS_EXPIRY_SAFETY_MARGIN`).
@@ -20,6 +21,11 @@ const PIN_SAFETY_MARGIN_MS: u64 = 5_000;
 /// Marks a response already counted in `ppd_requests_total` (a routed request).
 #[derive(Clone, Copy)]
 pub struct Counted;
+
+/// Marks an answer whose [`Ticket`] writes the request's log line when the
+/// answer ends (a stream ends after the handler returned).
+#[derive(Clone, Copy)]
+pub struct Ticketed;
 
 /// Counts one routed request's outcome.
 pub(crate) fn count(st: &AppState, route: &Route, status: u16) {
@@ -40,6 +46,8 @@ pub(crate) fn counted(
     mut resp: axum::response::Response,
 ) -> axum::response::Response {
     resp.extensions_mut().insert(Counted);
+    // For the request's log line.
+    resp.extensions_mut().insert(*route);
     count(st, route, resp.status().as_u16());
     resp
 }
@@ -69,20 +77,32 @@ pub(crate) struct Ticket {
     pub route: Route,
     pub p: Option<Arc<Node>>,
     pub d: Arc<Node>,
-    pub started: Instant,
+    pub trail: Arc<Trail>,
 }
 
 impl Ticket {
-    pub fn count(&self, status: u16) {
+    /// The request's end: counted under its route and logged in its one line.
+    pub fn settle(&self, status: u16, first_token: Option<Instant>) {
         count(&self.state, &self.route, status);
+        Line {
+            trail: &self.trail,
+            conv: Some(ConvHash::of(&self.conv)),
+            turn: Some(self.turn),
+            route: Some(&self.route),
+            p: self.p.as_deref(),
+            d: Some(&self.d),
+            status,
+            ttft: first_token.map(|t| t - self.trail.started),
+        }
+        .emit();
     }
 
     /// A node call failed after the answer began (a broken or silent stream).
-    pub fn fail(&self, kind: &'static str) {
+    pub fn fail(&self, kind: &'static str, first_token: Option<Instant>) {
         let st = &self.state;
         upstream_error(st, self.d.role, kind);
         st.registry.record_failure(&self.d, st.now_ms());
-        self.count(502);
+        self.settle(502, first_token);
     }
 
     /// A bidirectional D named the blocks it pins for this turn: the next
@@ -127,7 +147,7 @@ impl Ticket {
             st.metrics
                 .ttft
                 .get_or_create(&path)
-                .observe((ft - self.started).as_secs_f64());
+                .observe((ft - self.trail.started).as_secs_f64());
             if let Some(u) = usage.filter(|u| u.completion_tokens > 1) {
                 let tpot = (end - ft).as_secs_f64() / f64::from(u.completion_tokens - 1);
                 st.metrics.tpot.get_or_create(&path).observe(tpot);
@@ -157,16 +177,16 @@ impl Ticket {
                 _ => {}
             }
         }
-        self.count(200);
+        self.settle(200, first_token);
     }
 
     /// The client left mid-stream, after D's first token: D computed the
     /// prompt, so its prefix cache holds the conversation and the session
     /// keeps it (what the client kept of the answer is unknown: `answer` is
     /// the digest of the text relayed so far).
-    pub fn abort(&self, answer: Option<u128>) {
+    pub fn abort(&self, answer: Option<u128>, first_token: Option<Instant>) {
         self.record_session(None, answer, Outcome::Aborted);
-        self.count(499);
+        self.settle(499, first_token);
     }
 
     /// Records the turn where the next one will look: under the client's id

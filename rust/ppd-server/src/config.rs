@@ -44,6 +44,16 @@ pub enum RouteHeaders {
     None,
 }
 
+/// How log lines are written to standard error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// One human-readable line per event.
+    Text,
+    /// One JSON object per line (for log shippers).
+    Json,
+}
+
 /// How the router's I/O threads serve connections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -134,8 +144,11 @@ pub struct RouterConfig {
     /// How requests become token ids for exact residency (`auto`: the
     /// tokenizer's chat template when `tokenizer` is set).
     pub prompt_renderer: PromptRenderer,
-    /// Log filter (tracing `EnvFilter` syntax).
-    pub log: String,
+    /// Log filter (tracing `EnvFilter` syntax, e.g. `info` or
+    /// `warn,ppd_router::request=info`); unset: `RUST_LOG`, else `warn`.
+    pub log: Option<String>,
+    /// `text` or `json` (one object per line).
+    pub log_format: LogFormat,
     /// Router I/O threads (0: one per core).
     pub worker_threads: usize,
     pub runtime: Runtime,
@@ -263,7 +276,8 @@ impl Default for RouterConfig {
             kv_bytes_per_token: 131_072,
             tokenizer: None,
             prompt_renderer: PromptRenderer::Auto,
-            log: "warn".into(),
+            log: None,
+            log_format: LogFormat::Text,
             worker_threads: 0,
             runtime: Runtime::ThreadPerCore,
             first_token_timeout: 60.0,
@@ -567,6 +581,9 @@ impl RouterConfig {
             }
         }
         self.validate_connections()?;
+        if let Some(filter) = &self.log {
+            crate::logging::check_filter(filter).map_err(|e| bad("log", e))?;
+        }
         self.admin_secret = self.resolve_admin_token(std::env::var(ADMIN_TOKEN_ENV).ok())?;
         let mut static_nodes = Vec::new();
         for role in Role::ALL {

@@ -6,17 +6,19 @@ use axum::http::header::CONTENT_TYPE;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use std::sync::Arc;
-use std::time::Instant;
 
 use ppd_core::request::{parse_request, RequestView};
 
+use ppd_core::Route;
+
 use crate::admission::{Admitted, Shed};
-use crate::bookkeeping::{counted, Counted};
+use crate::bookkeeping::{counted, Counted, Ticketed};
 use crate::error::{invalid_request, openai_error};
 use crate::metrics::{AdmissionLabels, RequestLabels, RetryLabels};
 use crate::orchestrate::{self, Call, Retry};
 use crate::route::Plan;
 use crate::state::AppState;
+use crate::trail::{ConvHash, Line, Trail};
 use crate::upstream::Endpoint;
 use crate::{identify, route};
 
@@ -25,7 +27,7 @@ pub(crate) async fn chat(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    count_rejected(&st, completions(&st, Endpoint::Chat, &headers, body).await)
+    serve(&st, Endpoint::Chat, &headers, body).await
 }
 
 pub(crate) async fn complete(
@@ -33,10 +35,46 @@ pub(crate) async fn complete(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    count_rejected(
-        &st,
-        completions(&st, Endpoint::Completions, &headers, body).await,
-    )
+    serve(&st, Endpoint::Completions, &headers, body).await
+}
+
+/// What the request's log line needs from the layers below, filled in as
+/// they run (a request refused before identity has neither).
+#[derive(Default)]
+struct Seen {
+    conv: Option<ConvHash>,
+    turn: Option<u32>,
+}
+
+/// One request with its trail: counted, its id echoed, and its log line
+/// written here unless its answer's ticket writes it at the answer's end.
+async fn serve(
+    st: &Arc<AppState>,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    body: Body,
+) -> Response {
+    let trail = Trail::begin(headers, endpoint.path());
+    let mut seen = Seen::default();
+    let mut resp = count_rejected(
+        st,
+        completions(st, endpoint, headers, body, &trail, &mut seen).await,
+    );
+    trail.echo(&mut resp);
+    if resp.extensions().get::<Ticketed>().is_none() {
+        Line {
+            trail: &trail,
+            conv: seen.conv,
+            turn: seen.turn,
+            route: resp.extensions().get::<Route>(),
+            p: None,
+            d: None,
+            status: resp.status().as_u16(),
+            ttft: None,
+        }
+        .emit();
+    }
+    resp
 }
 
 /// Requests refused before routing (bad body, unknown model, …) are counted
@@ -61,8 +99,10 @@ async fn completions(
     endpoint: Endpoint,
     headers: &HeaderMap,
     body: Body,
+    trail: &Arc<Trail>,
+    seen: &mut Seen,
 ) -> Response {
-    let started = Instant::now();
+    let started = trail.started;
     if let Err(shed) = st.admission.arrival() {
         return shed_answer(st, shed);
     }
@@ -89,6 +129,8 @@ async fn completions(
         Ok(id) => id,
         Err(e) => return invalid_request(e.to_string(), "invalid_request"),
     };
+    seen.conv = Some(ConvHash::of(&id.conv));
+    seen.turn = Some(id.features.turn);
     let plan = match route::plan(st, &id, started) {
         Ok(p) => p,
         Err(e) => return invalid_request(e.to_string(), "invalid_request"),
@@ -103,7 +145,7 @@ async fn completions(
         history: id.history,
         turn: id.features.turn,
         n_in: id.features.n_in,
-        started,
+        trail,
     };
     // One retry, when a node failed before anything reached the client.
     let prompt_tokens = id.features.n_ctx.saturating_add(id.features.n_in);

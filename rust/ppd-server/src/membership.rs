@@ -39,6 +39,7 @@ pub fn register_node(
         st.now_ms(),
     );
     if new {
+        tracing::info!(node = %node.url, role = role.as_str(), source = ?source, "node joined");
         subscribe(st, &node);
     }
     (node, new)
@@ -48,6 +49,7 @@ pub fn register_node(
 pub fn deregister_node(st: &AppState, url: &str) -> Vec<Arc<Node>> {
     let gone = st.registry.remove(url.trim_end_matches('/'));
     for n in &gone {
+        tracing::info!(node = %n.url, role = n.role.as_str(), "node removed");
         n.kv.close();
     }
     gone

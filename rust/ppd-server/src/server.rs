@@ -357,6 +357,11 @@ pub async fn run(
             "invalid setting `emulated`: the emulated nodes must be started before the router (ppd-router serve does)".into(),
         ));
     }
+    crate::logging::install(settings.config());
+    tracing::info!(
+        settings = %crate::logging::settings_for_log(settings.config()),
+        "ppd-router starting"
+    );
     let state = AppState::build(&settings)?;
     let cfg = &state.cfg;
     let admin_listener = match cfg.admin_port {
