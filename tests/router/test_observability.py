@@ -1,0 +1,177 @@
+"""What operators see: the per-request JSON log line, request ids and trace context reaching every node call."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import httpx
+import pytest
+
+from ppd_router import Router
+from tests.helpers import free_port, user
+from tests.router.conftest import wait_healthy
+
+MODEL = "m"
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+class StandIn:
+    """A vLLM stand-in that records the headers of every completion call: a P answers with
+    NIXL's kv_transfer_params, anything else with a short whole answer."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, str]] = []
+        calls = self.calls
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def reply(self, body: dict[str, Any]) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                self.reply({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                calls.append({k.lower(): v for k, v in self.headers.items()})
+                usage = {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11}
+                answer: dict[str, Any] = {
+                    "id": "chatcmpl-1",
+                    "object": "chat.completion",
+                    "model": MODEL,
+                    "usage": usage,
+                    "choices": [
+                        {"index": 0, "message": {"role": "assistant", "content": "hi there"}, "finish_reason": "stop"}
+                    ],
+                }
+                if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
+                    answer["kv_transfer_params"] = {
+                        "do_remote_prefill": True,
+                        "remote_engine_id": "e",
+                        "remote_block_ids": [1],
+                        "remote_host": "127.0.0.1",
+                        "remote_port": 1,
+                        "remote_request_id": "x",
+                    }
+                self.reply(answer)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def p_and_d() -> Iterator[tuple[StandIn, StandIn]]:
+    p, d = StandIn(), StandIn()
+    yield p, d
+    p.stop()
+    d.stop()
+
+
+def chat(url: str, headers: dict[str, str], text: str = "hello") -> httpx.Response:
+    body = {"model": MODEL, "messages": [user(text)], "max_tokens": 4}
+    return httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+
+
+def test_the_request_id_and_trace_reach_p_and_d_and_come_back(p_and_d: tuple[StandIn, StandIn]) -> None:
+    p, d = p_and_d
+    settings = {"prefill": [p.url], "pd_capable": [d.url], "port": free_port(), "load_interval": 0}
+    router = Router(json.dumps(settings))
+    url = router.start()
+    try:
+        r = chat(url, {"x-request-id": "client-7", "traceparent": TRACEPARENT})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-request-id"] == "client-7"
+        assert r.headers["x-ppd-path"] == "pd"
+        (to_p,), (to_d,) = p.calls, d.calls
+        # One id per prefill attempt, the client's with a suffix, the same on P and D.
+        assert to_p["x-request-id"].startswith("client-7-")
+        assert to_d["x-request-id"] == to_p["x-request-id"]
+        for call in (to_p, to_d):
+            version, trace, span, flags = call["traceparent"].split("-")
+            assert (version, trace, flags) == ("00", "4bf92f3577b34da6a3ce929d0e0e4736", "01")
+            assert span != "00f067aa0ba902b7"
+
+        # A header a client could use to smuggle garbage into node calls is replaced.
+        r = chat(url, {"x-request-id": "x" * 300})
+        made = r.headers["x-request-id"]
+        assert len(made) == 32 and made != "x" * 300
+        assert d.calls[-1]["x-request-id"].startswith(made + "-")
+        assert "traceparent" not in d.calls[-1]
+    finally:
+        router.stop()
+
+
+def test_one_json_line_per_request_without_prompt_text(p_and_d: tuple[StandIn, StandIn]) -> None:
+    p, d = p_and_d
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "ppd_router.cli",
+        "serve",
+        "--prefill",
+        p.url,
+        "--pd-capable",
+        d.url,
+        "--port",
+        str(port),
+        "--load-interval",
+        "0",
+        "--log",
+        "info",
+        "--log-format",
+        "json",
+        "--admin-token",
+        "tok-never-logged",
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "RUST_LOG"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        wait_healthy(url, proc=proc)
+        ok = chat(url, {"x-request-id": "req-ok", "x-session-id": "conv-secret-id"}, "PROMPT-MARKER text")
+        assert ok.status_code == 200, ok.text
+        bad = httpx.post(
+            url + "/v1/chat/completions",
+            content=b"{",
+            headers={"content-type": "application/json", "x-request-id": "req-bad"},
+        )
+        assert bad.status_code == 400
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    lines = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    by_id = {x["request_id"]: x for x in lines if x.get("target") == "ppd_router::request"}
+    line = by_id["req-ok"]
+    assert (line["level"], line["path"], line["reason"], line["status"]) == ("INFO", "pd", "turn1", 200)
+    assert (line["prefill_node"], line["node"], line["endpoint"]) == (p.url, d.url, "/v1/chat/completions")
+    assert line["turn"] == 1
+    assert len(line["conversation"]) == 16 and line["conversation"] != "conv-secret-id"
+    assert 0 <= line["ttft_ms"] <= line["duration_ms"]
+    refused = by_id["req-bad"]
+    assert (refused["path"], refused["reason"], refused["status"]) == ("none", "rejected", 400)
+    assert "conversation" not in refused and "node" not in refused
+    start = next(x for x in lines if x.get("message") == "ppd-router starting")
+    assert json.loads(start["settings"])["log_format"] == "json"
+    for secret in ("PROMPT-MARKER", "conv-secret-id", "tok-never-logged"):
+        assert secret not in err
