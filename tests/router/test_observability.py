@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -175,3 +177,97 @@ def test_one_json_line_per_request_without_prompt_text(p_and_d: tuple[StandIn, S
     assert json.loads(start["settings"])["log_format"] == "json"
     for secret in ("PROMPT-MARKER", "conv-secret-id", "tok-never-logged"):
         assert secret not in err
+
+
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]  # vLLM's vllm:time_to_first_token_seconds
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "ppd-router.json"
+
+
+def families(text: str, openmetrics: bool) -> dict[str, Any]:
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_open
+    from prometheus_client.parser import text_string_to_metric_families as parse_text
+
+    parse = parse_open if openmetrics else parse_text
+    return {f.name: f for f in parse(text)}
+
+
+@pytest.fixture
+def routed(p_and_d: tuple[StandIn, StandIn]) -> Iterator[str]:
+    """A router over the stand-ins that has served one pd request."""
+    p, d = p_and_d
+    router = Router(json.dumps({"prefill": [p.url], "pd_capable": [d.url], "port": free_port(), "load_interval": 0}))
+    url = router.start()
+    try:
+        assert chat(url, {}).status_code == 200
+        yield url
+    finally:
+        router.stop()
+
+
+def test_metrics_parse_typed_in_both_formats_with_vllms_buckets(routed: str, p_and_d: tuple[StandIn, StandIn]) -> None:
+    d = p_and_d[1]
+    text = httpx.get(routed + "/metrics")
+    assert text.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    prometheus_accept = "application/openmetrics-text;version=1.0.0;q=0.5,text/plain;version=0.0.4;q=0.3,*/*;q=0.2"
+    open_ = httpx.get(routed + "/metrics", headers={"accept": prometheus_accept})
+    assert open_.headers["content-type"].startswith("application/openmetrics-text; version=1.0.0")
+    for body, is_open in ((text.text, False), (open_.text, True)):
+        fams = families(body, is_open)
+        untyped = sorted(n for n, f in fams.items() if f.type in ("untyped", "unknown"))
+        assert not untyped, untyped
+        assert fams["ppd_requests"].type == "counter"
+        (served,) = [s for s in fams["ppd_requests"].samples if s.name == "ppd_requests_total"]
+        assert served.labels == {"path": "pd", "reason": "turn1", "status": "200"} and served.value == 1
+        ttft = fams["ppd_ttft_seconds"]
+        assert ttft.type == "histogram"
+        buckets = [s for s in ttft.samples if s.name == "ppd_ttft_seconds_bucket"]
+        assert [float(s.labels["le"]) for s in buckets] == [*TTFT_BUCKETS, float("inf")]
+        assert {(s.labels["path"], s.labels["model_name"]) for s in buckets} == {("pd", MODEL)}
+        assert fams["ppd_e2e_request_latency_seconds"].type == "histogram"
+        assert fams["ppd_requests_in_flight"].type == "gauge"
+        states = {s.labels["state"]: s.value for s in fams["ppd_node_state"].samples if s.labels["node"] == d.url}
+        assert states == {"healthy": 1, "unhealthy": 0, "breaker_open": 0}
+
+
+def test_the_dashboard_plots_only_metrics_the_router_serves(routed: str, p_and_d: tuple[StandIn, StandIn]) -> None:
+    # A P that is gone makes the failure families (upstream errors, retries) appear too.
+    p_and_d[0].stop()
+    assert chat(routed, {}).headers["x-ppd-reason"] == "p_unavailable"
+    dashboard = json.loads(DASHBOARD.read_text())
+    served = families(httpx.get(routed + "/metrics").text, openmetrics=False)
+    names = set()
+    for family in served.values():
+        names |= {s.name for s in family.samples} | {family.name}
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    used = {m for e in exprs for m in re.findall(r"\bppd_[a-z0-9_]+", e)}
+    # A counter that never moved (nothing pulled) is declared by its TYPE line.
+    declared = set(re.findall(r"^# TYPE (\S+)", httpx.get(routed + "/metrics").text, re.M))
+    missing = {m for m in used if m not in names and m not in declared and not m.endswith("_bucket")}
+    missing |= {m for m in used if m.endswith("_bucket") and m.removesuffix("_bucket") not in served}
+    assert not missing, missing
+    titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
+    for topic in ("path", "reason", "ttft", "tpot", "kv bytes", "node state"):
+        assert topic in titles, topic

@@ -8,7 +8,7 @@ use ppd_core::identity::{History, IdSource};
 use ppd_core::session::{Expected, NodeId, TurnRecord};
 use ppd_core::{Path, Role, Route};
 
-use crate::metrics::{ErrorLabels, PathLabel, RequestLabels};
+use crate::metrics::{ErrorLabels, LatencyLabels, RequestLabels};
 use crate::registry::Node;
 use crate::sse::Usage;
 use crate::state::AppState;
@@ -78,6 +78,25 @@ pub(crate) struct Ticket {
     pub p: Option<Arc<Node>>,
     pub d: Arc<Node>,
     pub trail: Arc<Trail>,
+    /// The `model_name` the latencies are labelled with ([`model_name`]).
+    pub model: String,
+}
+
+/// The model a request's latencies are labelled with: the one it names when
+/// a node serves it, the nodes' only model when it names none, else
+/// `unknown` (a client's free text never becomes a label value).
+pub(crate) fn model_name(st: &AppState, asked: Option<&str>) -> String {
+    let models = st.models.load();
+    let id = |m: &serde_json::Value| m.get("id").and_then(|v| v.as_str()).map(str::to_owned);
+    match asked {
+        Some(a) => models
+            .iter()
+            .filter_map(id)
+            .find(|m| m == a)
+            .unwrap_or_else(|| "unknown".into()),
+        None if models.len() == 1 => id(&models[0]).unwrap_or_else(|| "unknown".into()),
+        None => "unknown".into(),
+    }
 }
 
 impl Ticket {
@@ -140,9 +159,14 @@ impl Ticket {
         let st = &self.state;
         self.record_session(usage, answer, Outcome::Answered);
         st.registry.record_success(&self.d);
-        let path = PathLabel {
+        let path = LatencyLabels {
             path: self.route.path.as_str(),
+            model_name: self.model.clone(),
         };
+        st.metrics
+            .e2e
+            .get_or_create(&path)
+            .observe((end - self.trail.started).as_secs_f64());
         if let Some(ft) = first_token {
             st.metrics
                 .ttft

@@ -331,6 +331,7 @@ impl Run<'_> {
             p,
             d: Arc::clone(&d),
             trail: Arc::clone(self.call.trail),
+            model: crate::bookkeeping::model_name(st, self.call.view.model.as_deref()),
         };
         let mut out = if stream {
             let mut relay = Relay::new(ticket, resp, inflight, drop_usage);
