@@ -73,6 +73,11 @@ _SCALARS: dict[str, tuple[type, str]] = {
         "(default: RUST_LOG, else warn); info logs one line per request",
     ),
     "log_format": (str, "text (default) or json: one JSON object per log line, on stderr"),
+    "otlp_traces_endpoint": (
+        str,
+        "export request spans (identity, decision, prefill, kv_handoff, decode_first_token) over OTLP/HTTP JSON "
+        "to this collector URL, e.g. http://127.0.0.1:4318/v1/traces (off by default)",
+    ),
     "max_inflight_per_node": (int, "requests each node may have in flight (0 = no limit; default 256)"),
     "max_inflight_tokens_per_node": (int, "prompt tokens each node may have in flight (0 = no limit, the default)"),
     "queue_size": (int, "requests that may wait for room on their node; beyond: 503 (default 1024)"),

@@ -271,3 +271,77 @@ def test_the_dashboard_plots_only_metrics_the_router_serves(routed: str, p_and_d
     titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
     for topic in ("path", "reason", "ttft", "tpot", "kv bytes", "node state"):
         assert topic in titles, topic
+
+
+class Collector:
+    """An OTLP/HTTP collector stand-in: keeps the spans of every (JSON) export it receives."""
+
+    def __init__(self) -> None:
+        self.spans: list[dict[str, Any]] = []
+        spans = self.spans
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                for resource in body.get("resourceSpans", []):
+                    for scope in resource.get("scopeSpans", []):
+                        spans.extend(scope.get("spans", []))
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_spans_reach_an_otlp_collector_in_the_clients_trace(p_and_d: tuple[StandIn, StandIn]) -> None:
+    p, d = p_and_d
+    collector = Collector()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "ppd_router.cli",
+        "serve",
+        "--prefill",
+        p.url,
+        "--pd-capable",
+        d.url,
+        "--port",
+        str(port),
+        "--load-interval",
+        "0",
+        "--otlp-traces-endpoint",
+        collector.url,
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_healthy(url, proc=proc)
+        assert chat(url, {"traceparent": TRACEPARENT, "x-request-id": "traced-1"}).status_code == 200
+    finally:
+        # Stopping flushes the batched spans.
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        collector.stop()
+    by_name = {s["name"]: s for s in collector.spans}
+    expected = {"request", "identity", "decision", "prefill", "kv_handoff", "decode_first_token"}
+    assert expected <= set(by_name), (sorted(by_name), err[-2000:])
+    request = by_name["request"]
+    assert {s["traceId"].lower() for s in collector.spans} == {TRACEPARENT.split("-")[1]}
+    assert request["parentSpanId"].lower() == TRACEPARENT.split("-")[2]
+    for child in expected - {"request"}:
+        assert by_name[child]["parentSpanId"] == request["spanId"], child
+    # Each node call carries its own span as the parent of what the node does.
+    assert p.calls[-1]["traceparent"].split("-")[2] == by_name["prefill"]["spanId"].lower()
+    assert d.calls[-1]["traceparent"].split("-")[2] == by_name["decode_first_token"]["spanId"].lower()

@@ -149,6 +149,9 @@ pub struct RouterConfig {
     pub log: Option<String>,
     /// `text` or `json` (one object per line).
     pub log_format: LogFormat,
+    /// Export request spans over OTLP/HTTP (JSON) to this URL, a collector's
+    /// `/v1/traces` (the name vLLM gives its own setting); unset: no spans.
+    pub otlp_traces_endpoint: Option<String>,
     /// Router I/O threads (0: one per core).
     pub worker_threads: usize,
     pub runtime: Runtime,
@@ -278,6 +281,7 @@ impl Default for RouterConfig {
             prompt_renderer: PromptRenderer::Auto,
             log: None,
             log_format: LogFormat::Text,
+            otlp_traces_endpoint: None,
             worker_threads: 0,
             runtime: Runtime::ThreadPerCore,
             first_token_timeout: 60.0,
@@ -581,6 +585,14 @@ impl RouterConfig {
             }
         }
         self.validate_connections()?;
+        if let Some(url) = &self.otlp_traces_endpoint {
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                return Err(bad(
+                    "otlp_traces_endpoint",
+                    format!("{url:?}: must be an http:// or https:// URL (OTLP over HTTP)"),
+                ));
+            }
+        }
         if let Some(filter) = &self.log {
             crate::logging::check_filter(filter).map_err(|e| bad("log", e))?;
         }
@@ -778,6 +790,32 @@ mod tests {
         assert_eq!(RouterConfig::default().max_body_bytes, 16 * 1024 * 1024);
         assert_eq!(s.config().route_headers, RouteHeaders::All);
         assert!(!s.config().session_from_user);
+    }
+
+    #[test]
+    fn observability_settings_parse_from_toml_and_bad_values_name_their_field() {
+        let c = RouterConfig::from_toml(
+            "log = \"info\"\nlog_format = \"json\"\notlp_traces_endpoint = \"http://c:4318/v1/traces\"\n",
+            "r.toml",
+        )
+        .unwrap();
+        assert_eq!(c.log_format, LogFormat::Json);
+        assert!(c.clone().validate().is_ok());
+        let bad_log = RouterConfig {
+            log: Some("info,[[[".into()),
+            ..c.clone()
+        };
+        assert_eq!(bad_log.validate().unwrap_err().field, "log");
+        let bad_endpoint = RouterConfig {
+            otlp_traces_endpoint: Some("c:4317".into()),
+            ..c
+        };
+        assert_eq!(
+            bad_endpoint.validate().unwrap_err().field,
+            "otlp_traces_endpoint"
+        );
+        let e = RouterConfig::from_toml("log_format = \"xml\"\n", "r.toml").unwrap_err();
+        assert_eq!(e.field, "log_format");
     }
 
     #[test]

@@ -18,9 +18,10 @@ use crate::metrics::{AdmissionLabels, RequestLabels, RetryLabels};
 use crate::orchestrate::{self, Call, Retry};
 use crate::route::Plan;
 use crate::state::AppState;
-use crate::trail::{ConvHash, Line, Trail};
+use crate::trail::{ConvHash, Line, Trail, TRACE_TARGET};
 use crate::upstream::Endpoint;
 use crate::{identify, route};
+use tracing::Instrument;
 
 pub(crate) async fn chat(
     State(st): State<Arc<AppState>>,
@@ -56,10 +57,10 @@ async fn serve(
 ) -> Response {
     let trail = Trail::begin(headers, endpoint.path());
     let mut seen = Seen::default();
-    let mut resp = count_rejected(
-        st,
-        completions(st, endpoint, headers, body, &trail, &mut seen).await,
-    );
+    let answered = completions(st, endpoint, headers, body, &trail, &mut seen)
+        .instrument(trail.span.clone())
+        .await;
+    let mut resp = count_rejected(st, answered);
     trail.echo(&mut resp);
     if resp.extensions().get::<Ticketed>().is_none() {
         Line {
@@ -125,13 +126,26 @@ async fn completions(
         Ok(v) => v,
         Err(r) => return r,
     };
-    let id = match identify::identify(st, headers, &view) {
+    let identity = tracing::info_span!(target: TRACE_TARGET, "identity");
+    let id = match identity.in_scope(|| identify::identify(st, headers, &view)) {
         Ok(id) => id,
         Err(e) => return invalid_request(e.to_string(), "invalid_request"),
     };
     seen.conv = Some(ConvHash::of(&id.conv));
     seen.turn = Some(id.features.turn);
-    let plan = match route::plan(st, &id, started) {
+    let decision = tracing::info_span!(
+        target: TRACE_TARGET,
+        "decision",
+        path = tracing::field::Empty,
+        reason = tracing::field::Empty
+    );
+    let plan = decision.in_scope(|| route::plan(st, &id, started));
+    if let Ok(p) = &plan {
+        decision.record("path", p.route.path.as_str());
+        decision.record("reason", p.route.reason.as_str());
+    }
+    drop(decision);
+    let plan = match plan {
         Ok(p) => p,
         Err(e) => return invalid_request(e.to_string(), "invalid_request"),
     };

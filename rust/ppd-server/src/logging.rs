@@ -1,10 +1,21 @@
-//! The router's log: a tracing subscriber on standard error (text or JSON lines), filtered by the `log` setting or `RUST_LOG`, installed once per process.
+//! The router's log and traces: a tracing subscriber on standard error (text or JSON lines), filtered by the `log` setting or `RUST_LOG`, and with `otlp_traces_endpoint` the request spans exported over OTLP; installed once per process.
 
 use std::io::IsTerminal;
+use std::sync::OnceLock;
 
-use tracing_subscriber::EnvFilter;
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_otlp::WithExportConfig;
+use opentelemetry_sdk::trace::SdkTracerProvider;
+use tracing_subscriber::filter::Targets;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer, Registry};
 
 use crate::config::{LogFormat, RouterConfig};
+use crate::trail::TRACE_TARGET;
+
+/// The exporter of the process's spans, when `otlp_traces_endpoint` set one up.
+static TRACES: OnceLock<SdkTracerProvider> = OnceLock::new();
 
 /// The filter used when neither `log` nor `RUST_LOG` gives one: problems only.
 const DEFAULT_FILTER: &str = "warn";
@@ -27,17 +38,22 @@ fn filter_of(setting: Option<&str>, env: Option<&str>) -> String {
         .to_owned()
 }
 
-/// Installs the process's log subscriber. The first router of a process
-/// decides (a subscriber is global); returns whether this call installed it.
-pub fn install(cfg: &RouterConfig) -> bool {
+/// Installs the process's log subscriber (and span exporter). The first
+/// router of a process decides (a subscriber is global); returns whether
+/// this call installed it, or why the exporter could not be built.
+pub fn install(cfg: &RouterConfig) -> Result<bool, String> {
     let env = std::env::var(EnvFilter::DEFAULT_ENV).ok();
-    let filter = EnvFilter::new(filter_of(cfg.log.as_deref(), env.as_deref()));
-    let fmt = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    // The request spans are for the exporter, never log lines.
+    let filter = EnvFilter::new(filter_of(cfg.log.as_deref(), env.as_deref())).add_directive(
+        format!("{TRACE_TARGET}=off")
+            .parse()
+            .map_err(|e| format!("{e}"))?,
+    );
+    let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal());
-    let installed = match cfg.log_format {
-        LogFormat::Text => fmt.try_init(),
+    let fmt: Box<dyn Layer<Registry> + Send + Sync> = match cfg.log_format {
+        LogFormat::Text => fmt.boxed(),
         // Fields at the top level of each object, no span context: one flat
         // record per event, as log shippers index them.
         LogFormat::Json => fmt
@@ -45,9 +61,54 @@ pub fn install(cfg: &RouterConfig) -> bool {
             .flatten_event(true)
             .with_current_span(false)
             .with_span_list(false)
-            .try_init(),
+            .boxed(),
     };
-    installed.is_ok()
+    let logs = tracing_subscriber::registry().with(fmt.with_filter(filter));
+    let Some(endpoint) = cfg.otlp_traces_endpoint.clone() else {
+        return Ok(logs.try_init().is_ok());
+    };
+    // The blocking HTTP client must not be built on an async runtime's thread.
+    let provider = std::thread::spawn(move || tracer_provider(&endpoint))
+        .join()
+        .map_err(|_| "the OTLP exporter panicked while starting".to_owned())??;
+    let spans = tracing_opentelemetry::layer()
+        .with_tracer(provider.tracer("ppd-router"))
+        .with_filter(Targets::new().with_target(TRACE_TARGET, tracing::Level::INFO));
+    let installed = logs.with(spans).try_init().is_ok();
+    if installed {
+        let _ = TRACES.set(provider);
+    }
+    Ok(installed)
+}
+
+/// Spans batched and sent as OTLP/HTTP JSON to `endpoint` (a collector's
+/// `/v1/traces`), as service `ppd-router` unless `OTEL_SERVICE_NAME` says otherwise.
+fn tracer_provider(endpoint: &str) -> Result<SdkTracerProvider, String> {
+    let exporter = opentelemetry_otlp::SpanExporter::builder()
+        .with_http()
+        .with_protocol(opentelemetry_otlp::Protocol::HttpJson)
+        .with_endpoint(endpoint)
+        .build()
+        .map_err(|e| format!("otlp_traces_endpoint {endpoint:?}: {e}"))?;
+    let resource = opentelemetry_sdk::Resource::builder()
+        .with_service_name(
+            std::env::var("OTEL_SERVICE_NAME").unwrap_or_else(|_| "ppd-router".to_owned()),
+        )
+        .build();
+    Ok(SdkTracerProvider::builder()
+        .with_batch_exporter(exporter)
+        .with_resource(resource)
+        .build())
+}
+
+/// Sends the spans still batched (a router stopping); the exporter stays
+/// for the process's next router.
+pub fn flush_traces() {
+    if let Some(p) = TRACES.get() {
+        let p = p.clone();
+        // Blocking: off the runtime's threads.
+        let _ = std::thread::spawn(move || p.force_flush()).join();
+    }
 }
 
 /// The settings as logged at start-up: every value but the admin token.

@@ -26,8 +26,9 @@ use crate::registry::{InflightGuard, Node};
 use crate::relay::{route_headers, streamed, whole, Relay};
 use crate::route::{prefill_node, Plan, Target};
 use crate::state::AppState;
-use crate::trail::Trail;
+use crate::trail::{Trail, TRACE_TARGET};
 use crate::upstream::{self, Endpoint, NodeHeaders, PrefillError, SendError};
+use tracing::Instrument;
 
 /// One request as the nodes will see it.
 pub(crate) struct Call<'a> {
@@ -100,11 +101,12 @@ impl Run<'_> {
     }
 
     /// What every call to a node carries besides the body: the request's id
-    /// (as the connector made it for this call) and its trace context.
-    fn node_headers<'h>(&'h self, request_id: &'h str) -> NodeHeaders<'h> {
+    /// (as the connector made it for this call) and the trace context of
+    /// `span`, the call's.
+    fn node_headers<'h>(&self, request_id: &'h str, span: &tracing::Span) -> NodeHeaders<'h> {
         NodeHeaders {
             request_id,
-            traceparent: self.call.trail.trace.as_ref().map(|t| &t.to_nodes),
+            traceparent: self.call.trail.traceparent(span),
         }
     }
 
@@ -181,12 +183,16 @@ impl Run<'_> {
                 Err(why) => return Ok(self.fail(unavailable(why))),
             };
             let work = self.plan.prefill_work(st.cfg.kv_bytes_per_token);
-            let headers = self.node_headers(&rid);
+            let span = tracing::info_span!(target: TRACE_TARGET, "prefill", node = %p.url, request_id = %rid);
+            let headers = self.node_headers(&rid, &span);
             let why =
                 match upstream::prefill(st, self.call.endpoint, &p, body.clone(), headers, work)
+                    .instrument(span)
                     .await
                 {
-                    Ok(answer) => match connector.handoff(&answer) {
+                    Ok(answer) => match tracing::info_span!(target: TRACE_TARGET, "kv_handoff")
+                        .in_scope(|| connector.handoff(&answer))
+                    {
                         Ok(handoff) => {
                             st.registry.record_success(&p);
                             if let Some(h) = pulling {
@@ -273,15 +279,17 @@ impl Run<'_> {
         let deadline =
             tokio::time::Instant::now() + if stream { first_token } else { whole_answer };
         let wait = deadline - tokio::time::Instant::now();
+        // Until D's first token: for the pd path, D's pull of P's KV is in it.
+        let first = tracing::info_span!(target: TRACE_TARGET, "decode_first_token", node = %d.url);
         let sent = upstream::send(
             st,
             self.call.endpoint,
             &d,
             body,
-            self.node_headers(request_id),
+            self.node_headers(request_id, &first),
             wait,
         );
-        let resp = match sent.await {
+        let resp = match sent.instrument(first.clone()).await {
             Ok(r) => r,
             Err(SendError::Timeout(timeout)) => {
                 let answer = upstream_failure(
@@ -335,7 +343,10 @@ impl Run<'_> {
         };
         let mut out = if stream {
             let mut relay = Relay::new(ticket, resp, inflight, drop_usage);
-            match tokio::time::timeout_at(deadline, relay.first_event()).await {
+            match tokio::time::timeout_at(deadline, relay.first_event())
+                .instrument(first)
+                .await
+            {
                 Ok(Ok(())) => {
                     // A first token means D has the KV.
                     if let Some(s) = staged.as_mut() {
@@ -363,7 +374,7 @@ impl Run<'_> {
                 }
             }
         } else {
-            match whole(ticket, resp, inflight).await {
+            match whole(ticket, resp, inflight).instrument(first).await {
                 Some(r) => {
                     if let Some(s) = staged.as_mut() {
                         s.handed_over();

@@ -378,7 +378,7 @@ pub async fn run(
             "invalid setting `emulated`: the emulated nodes must be started before the router (ppd-router serve does)".into(),
         ));
     }
-    crate::logging::install(settings.config());
+    crate::logging::install(settings.config()).map_err(ServerError::Config)?;
     tracing::info!(
         settings = %crate::logging::settings_for_log(settings.config()),
         "ppd-router starting"
@@ -445,6 +445,7 @@ pub async fn run(
     for s in &subscribers {
         s.abort();
     }
+    crate::logging::flush_traces();
     served
 }
 

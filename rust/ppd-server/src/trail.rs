@@ -10,6 +10,11 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use opentelemetry::propagation::{Extractor, TextMapPropagator};
+use opentelemetry::trace::TraceContextExt;
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+
 use ppd_core::Route;
 
 use crate::registry::Node;
@@ -21,6 +26,11 @@ pub(crate) const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent"
 /// The log target of the per-request line (`--log warn,ppd_router::request=info`
 /// turns on that line alone).
 pub(crate) const REQUEST_TARGET: &str = "ppd_router::request";
+
+/// The target of the request spans (exported with `otlp_traces_endpoint`,
+/// never logged): `request`, and within it `identity`, `decision`,
+/// `prefill`, `kv_handoff`, `decode_first_token`.
+pub(crate) const TRACE_TARGET: &str = "ppd_router::trace";
 
 /// The longest client id taken as it is; vLLM makes ids of this size too.
 const MAX_ID_LEN: usize = 128;
@@ -51,16 +61,47 @@ pub(crate) struct Trail {
     pub trace: Option<Trace>,
     pub endpoint: &'static str,
     pub started: Instant,
+    /// The request's span (disabled unless spans are exported); it ends when
+    /// the trail does, with the answer's last byte.
+    pub span: tracing::Span,
 }
 
 impl Trail {
     pub fn begin(headers: &HeaderMap, endpoint: &'static str) -> Arc<Trail> {
+        let id = request_id(headers);
+        let span = tracing::info_span!(target: TRACE_TARGET, "request", request_id = %id, endpoint);
+        if !span.is_disabled() {
+            // The client's trace, if it sent one; else the span starts a trace.
+            let parent = TraceContextPropagator::new().extract(&Headers(headers));
+            let _ = span.set_parent(parent);
+        }
         Arc::new(Trail {
-            id: request_id(headers),
+            id,
             trace: trace_of(headers),
             endpoint,
             started: Instant::now(),
+            span,
         })
+    }
+
+    /// The `traceparent` a node call made within `span` carries: that
+    /// span's context when spans are exported, else the client's trace under
+    /// the router's span id, else none.
+    pub fn traceparent(&self, span: &tracing::Span) -> Option<HeaderValue> {
+        if !span.is_disabled() {
+            let cx = span.context();
+            let sc = cx.span().span_context().clone();
+            if sc.is_valid() {
+                let tp = format!(
+                    "00-{}-{}-{:02x}",
+                    sc.trace_id(),
+                    sc.span_id(),
+                    sc.trace_flags().to_u8()
+                );
+                return HeaderValue::from_str(&tp).ok();
+            }
+        }
+        self.trace.as_ref().map(|t| t.to_nodes.clone())
     }
 
     /// The answer carries the request's id back to the client.
@@ -79,6 +120,19 @@ pub(crate) struct Trace {
     pub trace_id: String,
     /// The `traceparent` the nodes get: same trace and flags, the router's span id.
     pub to_nodes: HeaderValue,
+}
+
+/// A request's headers as OpenTelemetry's propagator reads them.
+struct Headers<'a>(&'a HeaderMap);
+
+impl Extractor for Headers<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|v| v.to_str().ok())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0.keys().map(HeaderName::as_str).collect()
+    }
 }
 
 /// Parses `00-<trace id>-<parent id>-<flags>` (W3C Trace Context, version
@@ -226,6 +280,16 @@ mod tests {
             assert!(trace_of(&headers(TRACEPARENT, bad)).is_none(), "{bad:?}");
         }
         assert!(trace_of(&HeaderMap::new()).is_none());
+    }
+
+    #[test]
+    fn without_exported_spans_nodes_get_the_clients_trace_or_none() {
+        let tp = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let traced = Trail::begin(&headers(TRACEPARENT, tp), "/v1/completions");
+        let sent = traced.traceparent(&tracing::Span::none()).unwrap();
+        assert_eq!(sent, traced.trace.as_ref().unwrap().to_nodes);
+        let untraced = Trail::begin(&HeaderMap::new(), "/v1/completions");
+        assert!(untraced.traceparent(&tracing::Span::none()).is_none());
     }
 
     #[test]

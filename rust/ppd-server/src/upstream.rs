@@ -50,10 +50,9 @@ impl Endpoint {
 
 /// The headers every node call carries: the request id the node logs and
 /// answers under, and the W3C trace context when the client sent one.
-#[derive(Clone, Copy)]
 pub(crate) struct NodeHeaders<'a> {
     pub request_id: &'a str,
-    pub traceparent: Option<&'a HeaderValue>,
+    pub traceparent: Option<HeaderValue>,
 }
 
 impl NodeHeaders<'_> {
