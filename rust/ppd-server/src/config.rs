@@ -594,7 +594,7 @@ impl RouterConfig {
             }
         }
         if let Some(filter) = &self.log {
-            crate::logging::check_filter(filter).map_err(|e| bad("log", e))?;
+            check_filter(filter).map_err(|e| bad("log", e))?;
         }
         self.admin_secret = self.resolve_admin_token(std::env::var(ADMIN_TOKEN_ENV).ok())?;
         let mut static_nodes = Vec::new();
@@ -622,6 +622,15 @@ impl RouterConfig {
             emulated,
         })
     }
+}
+
+/// Whether `filter` is a valid `EnvFilter` directive list (checked with the
+/// other settings, so a typo is reported with its field before start-up).
+pub(crate) fn check_filter(filter: &str) -> Result<(), String> {
+    tracing_subscriber::EnvFilter::builder()
+        .parse(filter)
+        .map(drop)
+        .map_err(|e| format!("{filter:?} is not a log filter: {e}"))
 }
 
 /// The largest `max_connections` accepted.
