@@ -345,3 +345,28 @@ def test_spans_reach_an_otlp_collector_in_the_clients_trace(p_and_d: tuple[Stand
     # Each node call carries its own span as the parent of what the node does.
     assert p.calls[-1]["traceparent"].split("-")[2] == by_name["prefill"]["spanId"].lower()
     assert d.calls[-1]["traceparent"].split("-")[2] == by_name["decode_first_token"]["spanId"].lower()
+
+
+def test_a_node_that_left_has_no_state_series(p_and_d: tuple[StandIn, StandIn]) -> None:
+    p, d = p_and_d
+    settings = {
+        "prefill": [p.url],
+        "pd_capable": [d.url],
+        "port": free_port(),
+        "load_interval": 0,
+        "admin_token": "secret",
+    }
+    router = Router(json.dumps(settings))
+    url = router.start()
+    try:
+
+        def nodes_with_state() -> set[str]:
+            fams = families(httpx.get(url + "/metrics").text, openmetrics=False)
+            return {s.labels["node"] for s in fams["ppd_node_state"].samples}
+
+        assert nodes_with_state() == {p.url, d.url}
+        gone = httpx.delete(url + "/admin/nodes", params={"url": p.url}, headers={"authorization": "Bearer secret"})
+        assert gone.status_code == 200, gone.text
+        assert nodes_with_state() == {d.url}
+    finally:
+        router.stop()

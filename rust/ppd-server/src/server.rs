@@ -139,6 +139,8 @@ async fn metrics(State(st): State<Arc<AppState>>, headers: axum::http::HeaderMap
         }
     }
     let mut in_flight = 0_i64;
+    // Rebuilt each scrape, so a node that left has no state.
+    st.metrics.node_state.clear();
     for n in st.registry.nodes().iter() {
         in_flight += i64::from(n.inflight());
         let now_in = n.state(now);
