@@ -74,7 +74,17 @@ _SCALARS: dict[str, tuple[type, str]] = {
     ),
     "worker_threads": (int, "router I/O threads (default 0 = one per core)"),
     "runtime": (str, "thread-per-core (default: a request stays on its thread) or work-stealing"),
-    "log": (str, "log filter (default warn)"),
+    "log": (
+        str,
+        "log filter in tracing's EnvFilter syntax, e.g. info or warn,ppd_router::request=info "
+        "(default: RUST_LOG, else warn); info logs one line per request",
+    ),
+    "log_format": (str, "text (default) or json: one JSON object per log line, on stderr"),
+    "otlp_traces_endpoint": (
+        str,
+        "export request spans (identity, decision, prefill, kv_handoff, decode_first_token) over OTLP/HTTP JSON "
+        "to this collector URL, e.g. http://127.0.0.1:4318/v1/traces (off by default)",
+    ),
     "max_inflight_per_node": (int, "requests each node may have in flight (0 = no limit; default 256)"),
     "max_inflight_tokens_per_node": (int, "prompt tokens each node may have in flight (0 = no limit, the default)"),
     "queue_size": (int, "requests that may wait for room on their node; beyond: 503 (default 1024)"),

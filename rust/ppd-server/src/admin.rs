@@ -318,6 +318,7 @@ async fn reload(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) -> Re
         Ok(t) => {
             let cells = t.doc().cells.len();
             st.engine.set_table(t);
+            tracing::info!(table = %spec, cells, "admin: table reloaded");
             *st.table_spec.lock() = spec.clone();
             Json(json!({"reloaded": spec, "cells": cells})).into_response()
         }
@@ -357,6 +358,7 @@ async fn set_weights(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) 
     match Weights::new(b.w_ttft, b.w_tpot) {
         Ok(w) => {
             st.engine.set_weights(w);
+            tracing::info!(w_ttft = w.w_ttft, w_tpot = w.w_tpot, "admin: weights set");
             Json(json!({"w_ttft": w.w_ttft, "w_tpot": w.w_tpot})).into_response()
         }
         Err(e) => bad_request(e.to_string()),
@@ -420,6 +422,7 @@ async fn set_policy(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) -
     match PolicyKind::parse(&b.policy) {
         Ok(p) => {
             st.engine.set_policy(p);
+            tracing::info!(policy = %p, "admin: policy set");
             Json(json!({"policy": p.to_string()})).into_response()
         }
         Err(e) => bad_request(e.to_string()),

@@ -8,10 +8,11 @@ use ppd_core::identity::{History, IdSource};
 use ppd_core::session::{Expected, NodeId, TurnRecord};
 use ppd_core::{DecisionInput, Path, Role, Route};
 
-use crate::metrics::{ErrorLabels, PathLabel, RequestLabels};
+use crate::metrics::{ErrorLabels, LatencyLabels, RequestLabels};
 use crate::registry::Node;
 use crate::sse::Usage;
 use crate::state::AppState;
+use crate::trail::{ConvHash, Line, Trail};
 
 /// How long before a pin's end the router stops naming it: vLLM's P declines
 /// a read within 5 s of it (`_KV_BLOCKS_EXPIRY_SAFETY_MARGIN`).
@@ -20,6 +21,11 @@ const PIN_SAFETY_MARGIN_MS: u64 = 5_000;
 /// Marks a response already counted in `ppd_requests_total` (a routed request).
 #[derive(Clone, Copy)]
 pub struct Counted;
+
+/// Marks an answer whose [`Ticket`] writes the request's log line when the
+/// answer ends (a stream ends after the handler returned).
+#[derive(Clone, Copy)]
+pub struct Ticketed;
 
 /// Counts one routed request's outcome.
 pub(crate) fn count(st: &AppState, route: &Route, status: u16) {
@@ -40,6 +46,8 @@ pub(crate) fn counted(
     mut resp: axum::response::Response,
 ) -> axum::response::Response {
     resp.extensions_mut().insert(Counted);
+    // For the request's log line.
+    resp.extensions_mut().insert(*route);
     count(st, route, resp.status().as_u16());
     resp
 }
@@ -71,20 +79,51 @@ pub(crate) struct Ticket {
     pub decided: DecisionInput,
     pub p: Option<Arc<Node>>,
     pub d: Arc<Node>,
-    pub started: Instant,
+    pub trail: Arc<Trail>,
+    /// The `model_name` the latencies are labelled with ([`model_name`]).
+    pub model: String,
+}
+
+/// The model a request's latencies are labelled with: the one it names when
+/// a node serves it, the nodes' only model when it names none, else
+/// `unknown` (a client's free text never becomes a label value).
+pub(crate) fn model_name(st: &AppState, asked: Option<&str>) -> String {
+    let models = st.models.load();
+    let id = |m: &serde_json::Value| m.get("id").and_then(|v| v.as_str()).map(str::to_owned);
+    match asked {
+        Some(a) => models
+            .iter()
+            .filter_map(id)
+            .find(|m| m == a)
+            .unwrap_or_else(|| "unknown".into()),
+        None if models.len() == 1 => id(&models[0]).unwrap_or_else(|| "unknown".into()),
+        None => "unknown".into(),
+    }
 }
 
 impl Ticket {
-    pub fn count(&self, status: u16) {
+    /// The request's end: counted under its route and logged in its one line.
+    pub fn settle(&self, status: u16, first_token: Option<Instant>) {
         count(&self.state, &self.route, status);
+        Line {
+            trail: &self.trail,
+            conv: Some(ConvHash::of(&self.conv)),
+            turn: Some(self.turn),
+            route: Some(&self.route),
+            p: self.p.as_deref(),
+            d: Some(&self.d),
+            status,
+            ttft: first_token.map(|t| t - self.trail.started),
+        }
+        .emit();
     }
 
     /// A node call failed after the answer began (a broken or silent stream).
-    pub fn fail(&self, kind: &'static str) {
+    pub fn fail(&self, kind: &'static str, first_token: Option<Instant>) {
         let st = &self.state;
         upstream_error(st, self.d.role, kind);
         st.registry.record_failure(&self.d, st.now_ms());
-        self.count(502);
+        self.settle(502, first_token);
     }
 
     /// A bidirectional D named the blocks it pins for this turn: the next
@@ -141,11 +180,16 @@ impl Ticket {
         let st = &self.state;
         self.record_session(usage, answer, Outcome::Answered);
         st.registry.record_success(&self.d);
-        let path = PathLabel {
+        let path = LatencyLabels {
             path: self.route.path.as_str(),
+            model_name: self.model.clone(),
         };
+        st.metrics
+            .e2e
+            .get_or_create(&path)
+            .observe((end - self.trail.started).as_secs_f64());
         if let Some(ft) = first_token {
-            let ttft = (ft - self.started).as_secs_f64();
+            let ttft = (ft - self.trail.started).as_secs_f64();
             st.metrics.ttft.get_or_create(&path).observe(ttft);
             self.correct_prediction(ttft * 1000.0);
             if let Some(u) = usage.filter(|u| u.completion_tokens > 1) {
@@ -178,16 +222,16 @@ impl Ticket {
                 _ => {}
             }
         }
-        self.count(200);
+        self.settle(200, first_token);
     }
 
     /// The client left mid-stream, after D's first token: D computed the
     /// prompt, so its prefix cache holds the conversation and the session
     /// keeps it (what the client kept of the answer is unknown: `answer` is
     /// the digest of the text relayed so far).
-    pub fn abort(&self, answer: Option<u128>) {
+    pub fn abort(&self, answer: Option<u128>, first_token: Option<Instant>) {
         self.record_session(None, answer, Outcome::Aborted);
-        self.count(499);
+        self.settle(499, first_token);
     }
 
     /// Records the turn where the next one will look: under the client's id

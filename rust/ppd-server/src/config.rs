@@ -45,6 +45,16 @@ pub enum RouteHeaders {
     None,
 }
 
+/// How log lines are written to standard error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// One human-readable line per event.
+    Text,
+    /// One JSON object per line (for log shippers).
+    Json,
+}
+
 /// How the router's I/O threads serve connections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -144,8 +154,14 @@ pub struct RouterConfig {
     /// How requests become token ids for exact residency (`auto`: the
     /// tokenizer's chat template when `tokenizer` is set).
     pub prompt_renderer: PromptRenderer,
-    /// Log filter (tracing `EnvFilter` syntax).
-    pub log: String,
+    /// Log filter (tracing `EnvFilter` syntax, e.g. `info` or
+    /// `warn,ppd_router::request=info`); unset: `RUST_LOG`, else `warn`.
+    pub log: Option<String>,
+    /// `text` or `json` (one object per line).
+    pub log_format: LogFormat,
+    /// Export request spans over OTLP/HTTP (JSON) to this URL, a collector's
+    /// `/v1/traces` (the name vLLM gives its own setting); unset: no spans.
+    pub otlp_traces_endpoint: Option<String>,
     /// Router I/O threads (0: one per core).
     pub worker_threads: usize,
     pub runtime: Runtime,
@@ -276,7 +292,9 @@ impl Default for RouterConfig {
             kv_bytes_per_token: 131_072,
             tokenizer: None,
             prompt_renderer: PromptRenderer::Auto,
-            log: "warn".into(),
+            log: None,
+            log_format: LogFormat::Text,
+            otlp_traces_endpoint: None,
             worker_threads: 0,
             runtime: Runtime::ThreadPerCore,
             first_token_timeout: 60.0,
@@ -580,6 +598,17 @@ impl RouterConfig {
             }
         }
         self.validate_connections()?;
+        if let Some(url) = &self.otlp_traces_endpoint {
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                return Err(bad(
+                    "otlp_traces_endpoint",
+                    format!("{url:?}: must be an http:// or https:// URL (OTLP over HTTP)"),
+                ));
+            }
+        }
+        if let Some(filter) = &self.log {
+            check_filter(filter).map_err(|e| bad("log", e))?;
+        }
         self.admin_secret = self.resolve_admin_token(std::env::var(ADMIN_TOKEN_ENV).ok())?;
         let mut static_nodes = Vec::new();
         for role in Role::ALL {
@@ -639,6 +668,15 @@ impl RouterConfig {
             slo,
         })
     }
+}
+
+/// Whether `filter` is a valid `EnvFilter` directive list (checked with the
+/// other settings, so a typo is reported with its field before start-up).
+pub(crate) fn check_filter(filter: &str) -> Result<(), String> {
+    tracing_subscriber::EnvFilter::builder()
+        .parse(filter)
+        .map(drop)
+        .map_err(|e| format!("{filter:?} is not a log filter: {e}"))
 }
 
 /// The largest `max_connections` accepted.
@@ -817,6 +855,32 @@ mod tests {
         assert_eq!(RouterConfig::default().max_body_bytes, 16 * 1024 * 1024);
         assert_eq!(s.config().route_headers, RouteHeaders::All);
         assert!(!s.config().session_from_user);
+    }
+
+    #[test]
+    fn observability_settings_parse_from_toml_and_bad_values_name_their_field() {
+        let c = RouterConfig::from_toml(
+            "log = \"info\"\nlog_format = \"json\"\notlp_traces_endpoint = \"http://c:4318/v1/traces\"\n",
+            "r.toml",
+        )
+        .unwrap();
+        assert_eq!(c.log_format, LogFormat::Json);
+        assert!(c.clone().validate().is_ok());
+        let bad_log = RouterConfig {
+            log: Some("info,[[[".into()),
+            ..c.clone()
+        };
+        assert_eq!(bad_log.validate().unwrap_err().field, "log");
+        let bad_endpoint = RouterConfig {
+            otlp_traces_endpoint: Some("c:4317".into()),
+            ..c
+        };
+        assert_eq!(
+            bad_endpoint.validate().unwrap_err().field,
+            "otlp_traces_endpoint"
+        );
+        let e = RouterConfig::from_toml("log_format = \"xml\"\n", "r.toml").unwrap_err();
+        assert_eq!(e.field, "log_format");
     }
 
     #[test]

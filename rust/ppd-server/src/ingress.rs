@@ -6,26 +6,29 @@ use axum::http::header::CONTENT_TYPE;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use std::sync::Arc;
-use std::time::Instant;
 
 use ppd_core::request::{parse_request, RequestView};
 
+use ppd_core::Route;
+
 use crate::admission::{Admitted, Shed};
-use crate::bookkeeping::{counted, Counted};
+use crate::bookkeeping::{counted, Counted, Ticketed};
 use crate::error::{invalid_request, openai_error};
 use crate::metrics::{AdmissionLabels, RequestLabels, RetryLabels};
 use crate::orchestrate::{self, Call, Retry};
 use crate::route::Plan;
 use crate::state::AppState;
+use crate::trail::{ConvHash, Line, Trail, TRACE_TARGET};
 use crate::upstream::Endpoint;
 use crate::{identify, route};
+use tracing::Instrument;
 
 pub(crate) async fn chat(
     State(st): State<Arc<AppState>>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    count_rejected(&st, completions(&st, Endpoint::Chat, &headers, body).await)
+    serve(&st, Endpoint::Chat, &headers, body).await
 }
 
 pub(crate) async fn complete(
@@ -33,10 +36,46 @@ pub(crate) async fn complete(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    count_rejected(
-        &st,
-        completions(&st, Endpoint::Completions, &headers, body).await,
-    )
+    serve(&st, Endpoint::Completions, &headers, body).await
+}
+
+/// What the request's log line needs from the layers below, filled in as
+/// they run (a request refused before identity has neither).
+#[derive(Default)]
+struct Seen {
+    conv: Option<ConvHash>,
+    turn: Option<u32>,
+}
+
+/// One request with its trail: counted, its id echoed, and its log line
+/// written here unless its answer's ticket writes it at the answer's end.
+async fn serve(
+    st: &Arc<AppState>,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    body: Body,
+) -> Response {
+    let trail = Trail::begin(headers, endpoint.path());
+    let mut seen = Seen::default();
+    let answered = completions(st, endpoint, headers, body, &trail, &mut seen)
+        .instrument(trail.span.clone())
+        .await;
+    let mut resp = count_rejected(st, answered);
+    trail.echo(&mut resp);
+    if resp.extensions().get::<Ticketed>().is_none() {
+        Line {
+            trail: &trail,
+            conv: seen.conv,
+            turn: seen.turn,
+            route: resp.extensions().get::<Route>(),
+            p: None,
+            d: None,
+            status: resp.status().as_u16(),
+            ttft: None,
+        }
+        .emit();
+    }
+    resp
 }
 
 /// Requests refused before routing (bad body, unknown model, …) are counted
@@ -61,8 +100,10 @@ async fn completions(
     endpoint: Endpoint,
     headers: &HeaderMap,
     body: Body,
+    trail: &Arc<Trail>,
+    seen: &mut Seen,
 ) -> Response {
-    let started = Instant::now();
+    let started = trail.started;
     if let Err(shed) = st.admission.arrival() {
         return shed_answer(st, shed);
     }
@@ -85,11 +126,26 @@ async fn completions(
         Ok(v) => v,
         Err(r) => return r,
     };
-    let id = match identify::identify(st, headers, &view) {
+    let identity = tracing::info_span!(target: TRACE_TARGET, "identity");
+    let id = match identity.in_scope(|| identify::identify(st, headers, &view)) {
         Ok(id) => id,
         Err(e) => return invalid_request(e.to_string(), "invalid_request"),
     };
-    let plan = match route::plan(st, &id, started) {
+    seen.conv = Some(ConvHash::of(&id.conv));
+    seen.turn = Some(id.features.turn);
+    let decision = tracing::info_span!(
+        target: TRACE_TARGET,
+        "decision",
+        path = tracing::field::Empty,
+        reason = tracing::field::Empty
+    );
+    let plan = decision.in_scope(|| route::plan(st, &id, started));
+    if let Ok(p) = &plan {
+        decision.record("path", p.route.path.as_str());
+        decision.record("reason", p.route.reason.as_str());
+    }
+    drop(decision);
+    let plan = match plan {
         Ok(p) => p,
         Err(e) => return invalid_request(e.to_string(), "invalid_request"),
     };
@@ -103,7 +159,7 @@ async fn completions(
         history: id.history,
         turn: id.features.turn,
         n_in: id.features.n_in,
-        started,
+        trail,
     };
     // One retry, when a node failed before anything reached the client.
     let prompt_tokens = id.features.n_ctx.saturating_add(id.features.n_in);

@@ -31,6 +31,7 @@ mod intake;
 pub mod kv_subscriber;
 mod listener;
 pub mod load;
+pub mod logging;
 pub mod membership;
 pub mod metrics;
 mod orchestrate;
@@ -41,6 +42,7 @@ mod route;
 pub mod server;
 pub mod sse;
 pub mod state;
+mod trail;
 mod upstream;
 
 pub use config::{RouterConfig, Settings};

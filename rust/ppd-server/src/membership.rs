@@ -39,6 +39,7 @@ pub fn register_node(
         st.now_ms(),
     );
     if new {
+        tracing::info!(node = %node.url, role = role.as_str(), source = ?source, "node joined");
         subscribe(st, &node);
     }
     (node, new)
@@ -50,6 +51,7 @@ pub fn deregister_node(st: &AppState, url: &str) -> Vec<Arc<Node>> {
     let gone = st.registry.remove(url.trim_end_matches('/'));
     let model = st.engine.cost_model();
     for n in &gone {
+        tracing::info!(node = %n.url, role = n.role.as_str(), "node removed");
         n.kv.close();
         if let Some(m) = &model {
             m.corrections.forget(n.id.get());

@@ -1,4 +1,4 @@
-//! Prometheus metrics of the router (text exposition at `/metrics`).
+//! Prometheus metrics of the router, served at `/metrics` in the exposition format the scraper asks for (OpenMetrics or Prometheus text 0.0.4).
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -14,9 +14,20 @@ pub struct RequestLabels {
     pub status: u16,
 }
 
+/// A latency's labels: the path, and the model as vLLM labels its own
+/// (`model_name`), so router and node panels filter alike.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct PathLabel {
+pub struct LatencyLabels {
     pub path: &'static str,
+    pub model_name: String,
+}
+
+/// One node's state (1 for the state it is in, 0 for the others).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NodeRoleStateLabels {
+    pub node: String,
+    pub role: &'static str,
+    pub state: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -86,8 +97,13 @@ pub struct ErrorLabels {
 pub struct Metrics {
     pub registry: Registry,
     pub requests: Family<RequestLabels, Counter>,
-    pub ttft: Family<PathLabel, Histogram>,
-    pub tpot: Family<PathLabel, Histogram>,
+    pub ttft: Family<LatencyLabels, Histogram>,
+    pub tpot: Family<LatencyLabels, Histogram>,
+    /// From the request's first byte to the answer's last, per path and model.
+    pub e2e: Family<LatencyLabels, Histogram>,
+    /// Requests a node works on for the router now (prefill or decode).
+    pub in_flight: Gauge,
+    pub node_state: Family<NodeRoleStateLabels, Gauge>,
     pub decision: Histogram,
     pub kv_bytes_moved: Counter,
     pub kv_bytes_avoided: Counter,
@@ -114,9 +130,33 @@ pub struct Metrics {
     pub kv_events_copy: parking_lot::Mutex<()>,
 }
 
-fn latency_histogram() -> Histogram {
-    // 0.5 ms … ~65 s
-    Histogram::new(exponential_buckets(0.0005, 2.0, 18))
+/// vLLM's `vllm:time_to_first_token_seconds` buckets, so that the router's
+/// and the nodes' TTFT land in the same buckets and compare per quantile.
+pub const TTFT_BUCKETS: [f64; 22] = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+/// vLLM's `vllm:time_per_output_token_seconds` (and inter-token latency) buckets.
+pub const TPOT_BUCKETS: [f64; 19] = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+];
+/// vLLM's `vllm:e2e_request_latency_seconds` buckets.
+pub const E2E_BUCKETS: [f64; 21] = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+];
+
+fn ttft_histogram() -> Histogram {
+    Histogram::new(TTFT_BUCKETS)
+}
+
+fn tpot_histogram() -> Histogram {
+    Histogram::new(TPOT_BUCKETS)
+}
+
+fn e2e_histogram() -> Histogram {
+    Histogram::new(E2E_BUCKETS)
 }
 
 impl Metrics {
@@ -128,21 +168,41 @@ impl Metrics {
             "Requests by path, reason code and HTTP status",
             requests.clone(),
         );
-        let ttft = Family::<PathLabel, Histogram>::new_with_constructor(
-            latency_histogram as fn() -> Histogram,
+        let ttft = Family::<LatencyLabels, Histogram>::new_with_constructor(
+            ttft_histogram as fn() -> Histogram,
         );
         registry.register(
             "ttft_seconds",
-            "Time to first token seen by the router, per path",
+            "Time to first token seen by the router, per path and model",
             ttft.clone(),
         );
-        let tpot = Family::<PathLabel, Histogram>::new_with_constructor(|| {
-            Histogram::new(exponential_buckets(0.0005, 2.0, 14))
-        });
+        let tpot = Family::<LatencyLabels, Histogram>::new_with_constructor(
+            tpot_histogram as fn() -> Histogram,
+        );
         registry.register(
             "tpot_seconds",
-            "Time per output token after the first, per path",
+            "Time per output token after the first, per path and model",
             tpot.clone(),
+        );
+        let e2e = Family::<LatencyLabels, Histogram>::new_with_constructor(
+            e2e_histogram as fn() -> Histogram,
+        );
+        registry.register(
+            "e2e_request_latency_seconds",
+            "Time from a request's arrival to its answer's end, per path and model",
+            e2e.clone(),
+        );
+        let in_flight = Gauge::default();
+        registry.register(
+            "requests_in_flight",
+            "Requests a node is prefilling or decoding for the router now",
+            in_flight.clone(),
+        );
+        let node_state = Family::<NodeRoleStateLabels, Gauge>::default();
+        registry.register(
+            "node_state",
+            "Each node's state: 1 for healthy, unhealthy or breaker_open, whichever it is in",
+            node_state.clone(),
         );
         let decision = Histogram::new(exponential_buckets(1e-7, 2.0, 20));
         registry.register(
@@ -262,6 +322,9 @@ impl Metrics {
             requests,
             ttft,
             tpot,
+            e2e,
+            in_flight,
+            node_state,
             decision,
             kv_bytes_moved,
             kv_bytes_avoided,
@@ -279,16 +342,182 @@ impl Metrics {
         }
     }
 
+    /// The metrics in OpenMetrics text (what the encoder writes).
     pub fn encode(&self) -> String {
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
     }
+
+    /// The metrics in `format`, with the content type that says so.
+    pub fn exposition(&self, format: Exposition) -> (&'static str, String) {
+        let open = self.encode();
+        match format {
+            Exposition::OpenMetrics => (OPENMETRICS_CONTENT_TYPE, open),
+            Exposition::Text => (TEXT_CONTENT_TYPE, openmetrics_to_text(&open)),
+        }
+    }
+}
+
+pub const OPENMETRICS_CONTENT_TYPE: &str =
+    "application/openmetrics-text; version=1.0.0; charset=utf-8";
+pub const TEXT_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// The two exposition formats `/metrics` serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exposition {
+    /// `application/openmetrics-text` 1.0.0 (Prometheus asks for it first).
+    OpenMetrics,
+    /// Prometheus text 0.0.4, what a scraper gets unless it asks for OpenMetrics.
+    Text,
+}
+
+/// The format an `Accept` header prefers: OpenMetrics when it is listed with
+/// a quality above the plain text's (or plain text is not listed), else
+/// text 0.0.4, which every scraper reads.
+pub fn negotiate(accept: Option<&str>) -> Exposition {
+    let mut open = 0.0_f64;
+    let mut text = 0.0_f64;
+    for range in accept.unwrap_or_default().split(',') {
+        let mut params = range.split(';').map(str::trim);
+        let mime = params.next().unwrap_or_default().to_ascii_lowercase();
+        let q = params
+            .filter_map(|p| p.strip_prefix("q="))
+            .find_map(|q| q.parse::<f64>().ok())
+            .unwrap_or(1.0);
+        match mime.as_str() {
+            "application/openmetrics-text" => open = open.max(q),
+            "text/plain" | "text/*" | "*/*" => text = text.max(q),
+            _ => {}
+        }
+    }
+    if open > 0.0 && open >= text {
+        Exposition::OpenMetrics
+    } else {
+        Exposition::Text
+    }
+}
+
+/// Rewrites the encoder's OpenMetrics into Prometheus text 0.0.4: a
+/// counter's family is named with its `_total` suffix (as its samples are, so
+/// 0.0.4 parsers type them instead of dropping them as untyped), `# UNIT` and
+/// `# EOF` go, and OpenMetrics-only types become their 0.0.4 kin.
+pub fn openmetrics_to_text(open: &str) -> String {
+    let mut out = String::with_capacity(open.len() + 512);
+    // A family's `# HELP` comes before its `# TYPE`, which decides its name.
+    let mut help: Option<(&str, &str)> = None;
+    let flush = |out: &mut String, help: &mut Option<(&str, &str)>| {
+        if let Some((name, text)) = help.take() {
+            out.push_str(&format!("# HELP {name} {text}\n"));
+        }
+    };
+    for line in open.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            flush(&mut out, &mut help);
+            help = Some(rest.split_once(' ').unwrap_or((rest, "")));
+            continue;
+        }
+        if let Some((name, kind)) = line.strip_prefix("# TYPE ").and_then(|r| r.split_once(' ')) {
+            let (name, kind) = match kind {
+                "counter" if !name.ends_with("_total") => (format!("{name}_total"), "counter"),
+                "counter" | "gauge" | "histogram" | "summary" => (name.to_owned(), kind),
+                "info" | "stateset" => (name.to_owned(), "gauge"),
+                _ => (name.to_owned(), "untyped"),
+            };
+            if let Some((_, text)) = help.take() {
+                out.push_str(&format!("# HELP {name} {text}\n"));
+            }
+            out.push_str(&format!("# TYPE {name} {kind}\n"));
+            continue;
+        }
+        flush(&mut out, &mut help);
+        out.push_str(line);
+        out.push('\n');
+    }
+    flush(&mut out, &mut help);
+    out
 }
 
 impl Default for Metrics {
     fn default() -> Self {
         Metrics::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prometheus_gets_openmetrics_and_everyone_else_text() {
+        let prometheus = "application/openmetrics-text;version=1.0.0;q=0.5,application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2";
+        assert_eq!(negotiate(Some(prometheus)), Exposition::OpenMetrics);
+        assert_eq!(
+            negotiate(Some("application/openmetrics-text")),
+            Exposition::OpenMetrics
+        );
+        assert_eq!(negotiate(None), Exposition::Text);
+        assert_eq!(negotiate(Some("*/*")), Exposition::Text);
+        assert_eq!(
+            negotiate(Some("text/plain;version=0.0.4")),
+            Exposition::Text
+        );
+        let prefers_text = "text/plain;q=0.9,application/openmetrics-text;q=0.5";
+        assert_eq!(negotiate(Some(prefers_text)), Exposition::Text);
+        assert_eq!(
+            negotiate(Some("application/openmetrics-text;q=0")),
+            Exposition::Text
+        );
+    }
+
+    #[test]
+    fn text_names_counter_families_with_their_total_suffix() {
+        let m = Metrics::new();
+        m.requests
+            .get_or_create(&RequestLabels {
+                path: "pd",
+                reason: "turn1",
+                status: 200,
+            })
+            .inc();
+        let (kind, text) = m.exposition(Exposition::Text);
+        assert_eq!(kind, TEXT_CONTENT_TYPE);
+        assert!(
+            text.contains("# TYPE ppd_requests_total counter\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# HELP ppd_requests_total Requests by path"),
+            "{text}"
+        );
+        assert!(text.contains(r#"ppd_requests_total{path="pd",reason="turn1",status="200"} 1"#));
+        assert!(text.contains("# TYPE ppd_sessions gauge\n"));
+        assert!(!text.contains("# EOF"));
+        let (kind, open) = m.exposition(Exposition::OpenMetrics);
+        assert_eq!(kind, OPENMETRICS_CONTENT_TYPE);
+        assert!(open.contains("# TYPE ppd_requests counter\n") && open.ends_with("# EOF\n"));
+    }
+
+    #[test]
+    fn latency_buckets_are_vllms() {
+        let m = Metrics::new();
+        let labels = LatencyLabels {
+            path: "local",
+            model_name: "m".into(),
+        };
+        m.ttft.get_or_create(&labels).observe(0.03);
+        let text = openmetrics_to_text(&m.encode());
+        for le in ["0.001", "0.04", "2560.0", "+Inf"] {
+            assert!(
+                text.contains(&format!(
+                    r#"ppd_ttft_seconds_bucket{{le="{le}",path="local",model_name="m"}}"#
+                )),
+                "{le}: {text}"
+            );
+        }
     }
 }

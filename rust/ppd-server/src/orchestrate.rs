@@ -10,7 +10,7 @@ use axum::http::StatusCode;
 use axum::response::Response;
 use std::borrow::Cow;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ppd_core::identity::{History, IdSource};
 use ppd_core::request::RequestView;
@@ -18,7 +18,7 @@ use ppd_core::Role;
 
 use crate::admission::Admitted;
 use crate::body::{drop_router_fields, rewrite, Edit};
-use crate::bookkeeping::{counted, upstream_error, Ticket};
+use crate::bookkeeping::{counted, upstream_error, Ticket, Ticketed};
 use crate::connector::prefill_body;
 use crate::error::{invalid_request, openai_error, unavailable};
 use crate::pull::Handle;
@@ -26,7 +26,9 @@ use crate::registry::{InflightGuard, Node};
 use crate::relay::{route_headers, streamed, whole, Relay};
 use crate::route::{prefill_node, Plan, Target};
 use crate::state::AppState;
-use crate::upstream::{self, Endpoint, PrefillError, SendError};
+use crate::trail::{Trail, TRACE_TARGET};
+use crate::upstream::{self, Endpoint, NodeHeaders, PrefillError, SendError};
+use tracing::Instrument;
 
 /// One request as the nodes will see it.
 pub(crate) struct Call<'a> {
@@ -39,7 +41,7 @@ pub(crate) struct Call<'a> {
     pub history: Option<History>,
     pub turn: u32,
     pub n_in: u32,
-    pub started: Instant,
+    pub trail: &'a Arc<Trail>,
 }
 
 /// Nothing reached the client and the route step should place the request
@@ -78,7 +80,7 @@ pub(crate) async fn run(
                 .chain(usage_edit(call.text, call.view))
                 .chain(pin)
                 .collect();
-            run.forward(None, Arc::clone(d), admitted, edits, None, None)
+            run.forward(None, Arc::clone(d), admitted, edits, &call.trail.id, None)
                 .await
         }
         Target::Pd(d) => run.pd(Arc::clone(d), admitted, None).await,
@@ -98,6 +100,16 @@ impl Run<'_> {
         self.call.st
     }
 
+    /// What every call to a node carries besides the body: the request's id
+    /// (as the connector made it for this call) and the trace context of
+    /// `span`, the call's.
+    fn node_headers<'h>(&self, request_id: &'h str, span: &tracing::Span) -> NodeHeaders<'h> {
+        NodeHeaders {
+            request_id,
+            traceparent: self.call.trail.traceparent(span),
+        }
+    }
+
     /// A refusal of a routed request, counted under its route.
     fn fail(&self, resp: Response) -> Response {
         counted(self.st(), &self.plan.route, resp)
@@ -115,7 +127,7 @@ impl Run<'_> {
         let st = self.st();
         upstream_error(st, node.role, kind);
         st.registry.record_failure(node, st.now_ms());
-        tracing::warn!(node = %node.url, kind, retry = self.may_retry, "node failed before the first byte");
+        tracing::warn!(request_id = %self.call.trail.id, node = %node.url, kind, retry = self.may_retry, "node failed before the first byte");
         if self.may_retry {
             return Err(Retry::NodeFailed {
                 node: Arc::clone(node),
@@ -166,50 +178,56 @@ impl Run<'_> {
                 return Ok(self.fail(unavailable(msg)));
             };
             tried.push(p.id);
-            let rid = match connector.request_id(&p, &d) {
+            let rid = match connector.request_id(&p, &d, &self.call.trail.id) {
                 Ok(rid) => rid,
                 Err(why) => return Ok(self.fail(unavailable(why))),
             };
             let work = self.plan.prefill_work(st.cfg.kv_bytes_per_token);
-            let why = match upstream::prefill(st, self.call.endpoint, &p, body.clone(), &rid, work)
-                .await
-            {
-                Ok(answer) => match connector.handoff(&answer) {
-                    Ok(handoff) => {
-                        st.registry.record_success(&p);
-                        if let Some(h) = pulling {
-                            st.metrics
-                                .kv_bytes_pulled
-                                .inc_by(u64::from(h.tokens) * st.cfg.kv_bytes_per_token);
+            let span = tracing::info_span!(target: TRACE_TARGET, "prefill", node = %p.url, request_id = %rid);
+            let headers = self.node_headers(&rid, &span);
+            let why =
+                match upstream::prefill(st, self.call.endpoint, &p, body.clone(), headers, work)
+                    .instrument(span)
+                    .await
+                {
+                    Ok(answer) => match tracing::info_span!(target: TRACE_TARGET, "kv_handoff")
+                        .in_scope(|| connector.handoff(&answer))
+                    {
+                        Ok(handoff) => {
+                            st.registry.record_success(&p);
+                            if let Some(h) = pulling {
+                                st.metrics
+                                    .kv_bytes_pulled
+                                    .inc_by(u64::from(h.tokens) * st.cfg.kv_bytes_per_token);
+                            }
+                            let mut staged = Staged {
+                                st: Arc::clone(st),
+                                via: Arc::clone(&d),
+                                via_failed: false,
+                                release: handoff.as_ref().and_then(|h| connector.release_body(h)),
+                            };
+                            let edits = drop_router_fields(self.call.view)
+                                .chain(handoff)
+                                .chain(usage_edit(self.call.text, self.call.view))
+                                .collect();
+                            let answer = self
+                                .forward(Some(p), d, admitted, edits, &rid, Some(&mut staged))
+                                .await;
+                            // Still staged here: D failed, so another D must carry the release.
+                            staged.via_failed = true;
+                            return answer;
                         }
-                        let mut staged = Staged {
-                            st: Arc::clone(st),
-                            via: Arc::clone(&d),
-                            via_failed: false,
-                            release: handoff.as_ref().and_then(|h| connector.release_body(h)),
-                        };
-                        let edits = drop_router_fields(self.call.view)
-                            .chain(handoff)
-                            .chain(usage_edit(self.call.text, self.call.view))
-                            .collect();
-                        let answer = self
-                            .forward(Some(p), d, admitted, edits, Some(rid), Some(&mut staged))
-                            .await;
-                        // Still staged here: D failed, so another D must carry the release.
-                        staged.via_failed = true;
-                        return answer;
-                    }
-                    Err(e) => {
-                        if let Some(kind) = e.kind {
-                            upstream_error(st, p.role, kind);
+                        Err(e) => {
+                            if let Some(kind) = e.kind {
+                                upstream_error(st, p.role, kind);
+                            }
+                            e.message
                         }
-                        e.message
-                    }
-                },
-                Err(PrefillError::Answer(resp)) => return Ok(self.fail(resp)),
-                Err(PrefillError::Retryable(why)) => why,
-            };
-            tracing::warn!(node = %p.url, %why, "prefill failed; trying another P");
+                    },
+                    Err(PrefillError::Answer(resp)) => return Ok(self.fail(resp)),
+                    Err(PrefillError::Retryable(why)) => why,
+                };
+            tracing::warn!(request_id = %self.call.trail.id, node = %p.url, %why, "prefill failed; trying another P");
             st.registry.record_failure(&p, st.now_ms());
             st.metrics.retries.inc();
             if pulling.take().is_some() {
@@ -228,7 +246,7 @@ impl Run<'_> {
         d: Arc<Node>,
         admitted: Option<Admitted>,
         edits: Vec<Edit<'_>>,
-        request_id: Option<String>,
+        request_id: &str,
         mut staged: Option<&mut Staged>,
     ) -> Result<Response, Retry> {
         let st = self.st();
@@ -261,15 +279,17 @@ impl Run<'_> {
         let deadline =
             tokio::time::Instant::now() + if stream { first_token } else { whole_answer };
         let wait = deadline - tokio::time::Instant::now();
+        // Until D's first token: for the pd path, D's pull of P's KV is in it.
+        let first = tracing::info_span!(target: TRACE_TARGET, "decode_first_token", node = %d.url);
         let sent = upstream::send(
             st,
             self.call.endpoint,
             &d,
             body,
-            request_id.as_deref(),
+            self.node_headers(request_id, &first),
             wait,
         );
-        let resp = match sent.await {
+        let resp = match sent.instrument(first.clone()).await {
             Ok(r) => r,
             Err(SendError::Timeout(timeout)) => {
                 let answer = upstream_failure(
@@ -280,7 +300,7 @@ impl Run<'_> {
                 return self.node_failed(&d, "timeout", answer);
             }
             Err(SendError::Connect { refused, message }) => {
-                tracing::warn!(node = %d.url, error = %message, "request to node failed");
+                tracing::warn!(request_id = %self.call.trail.id, node = %d.url, error = %message, "request to node failed");
                 let answer = upstream_failure(
                     StatusCode::BAD_GATEWAY,
                     format!("the {who} could not be reached"),
@@ -319,11 +339,15 @@ impl Run<'_> {
             decided: *self.plan.input(),
             p,
             d: Arc::clone(&d),
-            started: self.call.started,
+            trail: Arc::clone(self.call.trail),
+            model: crate::bookkeeping::model_name(st, self.call.view.model.as_deref()),
         };
         let mut out = if stream {
             let mut relay = Relay::new(ticket, resp, inflight, drop_usage);
-            match tokio::time::timeout_at(deadline, relay.first_event()).await {
+            match tokio::time::timeout_at(deadline, relay.first_event())
+                .instrument(first)
+                .await
+            {
                 Ok(Ok(())) => {
                     // A first token means D has the KV.
                     if let Some(s) = staged.as_mut() {
@@ -351,7 +375,7 @@ impl Run<'_> {
                 }
             }
         } else {
-            match whole(ticket, resp, inflight).await {
+            match whole(ticket, resp, inflight).instrument(first).await {
                 Some(r) => {
                     if let Some(s) = staged.as_mut() {
                         s.handed_over();
@@ -369,6 +393,7 @@ impl Run<'_> {
             }
         };
         route_headers(&mut out, route, self.call.conv, &d, &st.cfg);
+        out.extensions_mut().insert(Ticketed);
         Ok(out)
     }
 }

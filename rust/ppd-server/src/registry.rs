@@ -82,8 +82,15 @@ impl Node {
     pub fn available(&self, now_ms: u64) -> bool {
         self.state(now_ms) == NodeState::Healthy
     }
+    /// Sets the health-check verdict; a change is logged (a node going
+    /// out is a warning, coming back is news).
     pub fn set_healthy(&self, ok: bool) {
-        self.healthy.store(ok, Ordering::Release);
+        let was = self.healthy.swap(ok, Ordering::AcqRel);
+        if was && !ok {
+            tracing::warn!(node = %self.url, role = self.role.as_str(), "node unhealthy");
+        } else if !was && ok {
+            tracing::info!(node = %self.url, role = self.role.as_str(), "node healthy again");
+        }
     }
     pub fn heartbeat(&self, now_ms: u64) {
         self.last_heartbeat_ms.store(now_ms, Ordering::Release);
@@ -298,8 +305,18 @@ impl Registry {
         node.failed.fetch_add(1, Ordering::Relaxed);
         let n = node.consecutive_failures.fetch_add(1, Ordering::AcqRel) + 1;
         if n >= self.breaker.failures {
+            let was_open = node.breaker_open_until_ms.load(Ordering::Acquire) > now_ms;
             node.breaker_open_until_ms
                 .store(now_ms + self.breaker.open_ms, Ordering::Release);
+            if !was_open {
+                tracing::warn!(
+                    node = %node.url,
+                    role = node.role.as_str(),
+                    failures = n,
+                    open_s = self.breaker.open_ms as f64 / 1000.0,
+                    "circuit breaker open"
+                );
+            }
             // Half-open after the pause: the next failure re-opens at once.
             node.consecutive_failures
                 .store(self.breaker.failures.saturating_sub(1), Ordering::Release);

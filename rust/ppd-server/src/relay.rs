@@ -221,7 +221,7 @@ impl Relay {
     fn fail(&mut self, message: &str, kind: &'static str) -> Bytes {
         self.done = true;
         if let Some(t) = self.ticket.take() {
-            t.fail(kind);
+            t.fail(kind, self.first_token);
         }
         sse_error(message)
     }
@@ -288,9 +288,12 @@ impl Drop for Relay {
         // a first token D holds the prompt's KV, so the session keeps it.
         if let Some(t) = self.ticket.take() {
             if self.first_token.is_some() {
-                t.abort(self.answer.as_ref().map(ContentHasher::digest));
+                t.abort(
+                    self.answer.as_ref().map(ContentHasher::digest),
+                    self.first_token,
+                );
             } else {
-                t.count(499);
+                t.settle(499, None);
             }
         }
     }

@@ -162,7 +162,8 @@ pub(crate) fn plan(
     }
     let route = plan.route;
     st.record_decision(route.path, route.reason, cell);
-    tracing::debug!(conv = %id.conv, turn = f.turn, path = route.path.as_str(), reason = route.reason.as_str(), "route");
+    // The conversation as a hash, as in the request's line: a client's id stays out of the log.
+    tracing::debug!(conversation = %crate::trail::ConvHash::of(&id.conv), turn = f.turn, path = route.path.as_str(), reason = route.reason.as_str(), "route");
     Ok(plan)
 }
 

@@ -21,7 +21,8 @@ use crate::listener::{self, Budget, Shared, ADMIN_MAX_CONNECTIONS};
 use crate::load;
 use crate::membership;
 use crate::metrics::{
-    NodeFigureLabels, NodeLabel, NodeModeLabels, NodeOutcomeLabels, NodeStateLabels,
+    NodeFigureLabels, NodeLabel, NodeModeLabels, NodeOutcomeLabels, NodeRoleStateLabels,
+    NodeStateLabels,
 };
 use crate::registry::NodeState;
 use crate::state::AppState;
@@ -115,7 +116,7 @@ async fn health(State(st): State<Arc<AppState>>) -> Response {
     (code, Json(body)).into_response()
 }
 
-async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+async fn metrics(State(st): State<Arc<AppState>>, headers: axum::http::HeaderMap) -> Response {
     st.metrics.sessions.set(st.sessions.len() as i64);
     st.metrics.queue_waiting.set(st.admission.waiting() as i64);
     let now = st.now_ms();
@@ -137,6 +138,28 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
                 .set(n as i64);
         }
     }
+    let mut in_flight = 0_i64;
+    // Rebuilt each scrape, so a node that left has no state.
+    st.metrics.node_state.clear();
+    for n in st.registry.nodes().iter() {
+        in_flight += i64::from(n.inflight());
+        let now_in = n.state(now);
+        for state in [
+            NodeState::Healthy,
+            NodeState::Unhealthy,
+            NodeState::BreakerOpen,
+        ] {
+            st.metrics
+                .node_state
+                .get_or_create(&NodeRoleStateLabels {
+                    node: n.url.clone(),
+                    role: n.role.as_str(),
+                    state: state.as_str(),
+                })
+                .set(i64::from(state == now_in));
+        }
+    }
+    st.metrics.in_flight.set(in_flight);
     let stale = load::stale_after_ms(st.cfg.load_interval);
     for n in st.registry.nodes().iter() {
         let s = n.load_snapshot(now, stale);
@@ -177,11 +200,11 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
             .get_or_create(&crate::metrics::FigureLabel { figure })
             .set(i64::try_from(v).unwrap_or(i64::MAX));
     }
-    (
-        [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
-        st.metrics.encode(),
-    )
-        .into_response()
+    let accept = headers
+        .get(axum::http::header::ACCEPT)
+        .and_then(|v| v.to_str().ok());
+    let (content_type, body) = st.metrics.exposition(crate::metrics::negotiate(accept));
+    ([("content-type", content_type)], body).into_response()
 }
 
 /// Each node's residency mode, index size and KV-event counts, into the metrics.
@@ -357,6 +380,11 @@ pub async fn run(
             "invalid setting `emulated`: the emulated nodes must be started before the router (ppd-router serve does)".into(),
         ));
     }
+    crate::logging::install(settings.config()).map_err(ServerError::Config)?;
+    tracing::info!(
+        settings = %crate::logging::settings_for_log(settings.config()),
+        "ppd-router starting"
+    );
     let state = AppState::build(&settings)?;
     let cfg = &state.cfg;
     let admin_listener = match cfg.admin_port {
@@ -419,6 +447,7 @@ pub async fn run(
     for s in &subscribers {
         s.abort();
     }
+    crate::logging::flush_traces();
     served
 }
 

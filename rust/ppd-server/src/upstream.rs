@@ -20,6 +20,7 @@ use crate::load::Work;
 use crate::metrics::ResultLabel;
 use crate::registry::{InflightGuard, Node};
 use crate::state::AppState;
+use crate::trail::{REQUEST_ID, TRACEPARENT};
 
 /// Which OpenAI endpoint a request came in on (and goes out to).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,6 +48,23 @@ impl Endpoint {
     }
 }
 
+/// The headers every node call carries: the request id the node logs and
+/// answers under, and the W3C trace context when the client sent one.
+pub(crate) struct NodeHeaders<'a> {
+    pub request_id: &'a str,
+    pub traceparent: Option<HeaderValue>,
+}
+
+impl NodeHeaders<'_> {
+    fn apply(self, req: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        let req = req.header(REQUEST_ID, self.request_id);
+        match self.traceparent {
+            Some(tp) => req.header(TRACEPARENT, tp),
+            None => req,
+        }
+    }
+}
+
 /// A prefill on P that did not succeed.
 pub(crate) enum PrefillError {
     /// Nothing reached the client; another P may be tried.
@@ -61,16 +79,14 @@ pub(crate) async fn prefill(
     endpoint: Endpoint,
     p: &Arc<Node>,
     body: Bytes,
-    request_id: &str,
+    headers: NodeHeaders<'_>,
     work: Work,
 ) -> Result<Bytes, PrefillError> {
     let _inflight = InflightGuard::new(Arc::clone(p)).with_work(work);
-    let send = endpoint
+    let req = endpoint
         .post(st.client(), p)
-        .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
-        .header("x-request-id", request_id)
-        .body(body)
-        .send();
+        .header(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    let send = headers.apply(req).body(body).send();
     let timeout = Duration::from_secs_f64(st.cfg.prefill_timeout);
     let failed = |kind: &'static str, why: String| {
         upstream_error(st, Role::P, kind);
@@ -113,16 +129,13 @@ pub(crate) async fn send(
     endpoint: Endpoint,
     d: &Node,
     body: Bytes,
-    request_id: Option<&str>,
+    headers: NodeHeaders<'_>,
     timeout: Duration,
 ) -> Result<reqwest::Response, SendError> {
-    let mut req = endpoint
+    let req = endpoint
         .post(st.client(), d)
-        .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
-        .body(body);
-    if let Some(rid) = request_id {
-        req = req.header("x-request-id", rid);
-    }
+        .header(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    let req = headers.apply(req).body(body);
     match tokio::time::timeout(timeout, req.send()).await {
         Err(_) => Err(SendError::Timeout(timeout)),
         Ok(Err(e)) => Err(SendError::Connect {

@@ -26,8 +26,10 @@ pub(crate) trait KvConnector: Send + Sync {
         self.prefills()
     }
 
-    /// The request id both nodes get, or why this pair of nodes cannot be used.
-    fn request_id(&self, p: &Node, d: &Node) -> Result<String, &'static str>;
+    /// The request id both nodes get for one prefill attempt of the
+    /// request `client_id` (its checked `X-Request-Id`), or why this pair of
+    /// nodes cannot be used.
+    fn request_id(&self, p: &Node, d: &Node, client_id: &str) -> Result<String, &'static str>;
 
     /// The field of P's body that asks P to hold the KV for D, if the protocol has one.
     fn prefill_edit(&self) -> Option<Edit<'static>>;

@@ -19,13 +19,23 @@ const HOLD_FOR_DECODE: &str = r#"{"do_remote_decode":true,"do_remote_prefill":fa
 /// blocks on a D (neither flag asks for a transfer now).
 const PIN_ON_DECODE: &str = r#"{"do_remote_decode":false,"do_remote_prefill":false}"#;
 
+/// `{client_id}-{8 hex digits}`, fresh per call.
+fn attempt_id(client_id: &str) -> String {
+    let suffix = uuid::Uuid::new_v4().as_u64_pair().1 as u32;
+    format!("{client_id}-{suffix:08x}")
+}
+
 impl KvConnector for Nixl {
     fn prefills(&self) -> bool {
         true
     }
 
-    fn request_id(&self, _p: &Node, _d: &Node) -> Result<String, &'static str> {
-        Ok(format!("ppd-{}", uuid::Uuid::new_v4().simple()))
+    /// The client's id with a suffix fresh for each attempt: P and D get
+    /// the same id (as vLLM's own disaggregation proxy sends), and a retried
+    /// prefill that lands on the same P never reuses the id of KV it may
+    /// still hold for the failed attempt.
+    fn request_id(&self, _p: &Node, _d: &Node, client_id: &str) -> Result<String, &'static str> {
+        Ok(attempt_id(client_id))
     }
 
     fn prefill_edit(&self) -> Option<Edit<'static>> {
@@ -107,6 +117,17 @@ mod tests {
             }
             _ => panic!("expected a set"),
         }
+    }
+
+    #[test]
+    fn each_prefill_attempt_gets_the_clients_id_with_a_fresh_suffix() {
+        let a = attempt_id("req-1");
+        let b = attempt_id("req-1");
+        assert!(
+            a.starts_with("req-1-") && a.len() == "req-1-".len() + 8,
+            "{a}"
+        );
+        assert_ne!(a, b);
     }
 
     #[test]

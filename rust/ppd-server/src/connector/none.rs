@@ -11,7 +11,7 @@ impl KvConnector for NoTransfer {
         false
     }
 
-    fn request_id(&self, _p: &Node, _d: &Node) -> Result<String, &'static str> {
+    fn request_id(&self, _p: &Node, _d: &Node, _client_id: &str) -> Result<String, &'static str> {
         Err("no KV protocol: the pd path has no prefill node")
     }
 

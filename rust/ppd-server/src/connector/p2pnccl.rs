@@ -11,7 +11,9 @@ impl KvConnector for P2pNccl {
         true
     }
 
-    fn request_id(&self, p: &Node, d: &Node) -> Result<String, &'static str> {
+    /// The protocol's own format (vLLM parses the addresses out of it), so
+    /// the client's id is not part of it; the router's log pairs them.
+    fn request_id(&self, p: &Node, d: &Node, _client_id: &str) -> Result<String, &'static str> {
         match (&p.zmq, &d.zmq) {
             (Some(pz), Some(dz)) => Ok(format!(
                 "___prefill_addr_{pz}___decode_addr_{dz}_{}",
