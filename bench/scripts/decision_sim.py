@@ -15,13 +15,14 @@ the goals from those lines:
   misses its SLOs;
 * Goal C: its success rate is 100 % wherever a static policy's is.
 
-    python bench/scripts/decision_sim.py --out bench/results/decision/runs.jsonl
-    python bench/scripts/decision_sim.py --summary bench/results/decision/runs.jsonl
+    python bench/scripts/decision_sim.py --out bench/results/decision/table3.jsonl.gz
+    python bench/scripts/decision_sim.py --summary bench/results/decision/table3.jsonl.gz
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 import time
@@ -34,9 +35,11 @@ from ppd_router import _core
 from ppd_router.bench.workloads import ConversationFilter, Workload, WorkloadError, load_workload
 from ppd_router.simulate import max_model_len, simulate_point
 
-LAYOUTS = {"1P_3pD": "tables/h100-llama3.1-8b-1P3pD.json",
-           "2P_2pD": "tables/h100-llama3.1-8b-2P2pD.json",
-           "3P_1pD": "tables/h100-llama3.1-8b-3P1pD.json"}
+LAYOUTS = {
+    "1P_3pD": "tables/h100-llama3.1-8b-1P3pD.json",
+    "2P_2pD": "tables/h100-llama3.1-8b-2P2pD.json",
+    "3P_1pD": "tables/h100-llama3.1-8b-3P1pD.json",
+}
 QPS = (1, 2, 4, 6, 8, 10, 12, 16, 20)
 POLICIES = ("pd", "local", "fraction:0.5", "ppd", "dynamo-isl", "dynamo-load", "llmd-threshold", "ppd-live")
 STATIC = ("pd", "local", "fraction:0.5")
@@ -60,6 +63,29 @@ def points(workloads: list[str]) -> list[dict[str, Any]]:
     return out
 
 
+KEEP_META = ("setting", "deployment", "policy", "workload", "qps", "w_ttft", "w_tpot", "slo")
+KEEP = (
+    "success_rate",
+    "slo_attainment",
+    "slo_attainment_t2",
+    "local_share",
+    "pull_share",
+    "ttft_prediction_error",
+    "total_requests",
+    "failed_requests",
+)
+KEEP_TURN = ("count", "avg_ttft_ms", "p99_ttft_ms", "avg_tpot_ms", "p99_tpot_ms")
+
+
+def compact(r: dict[str, Any]) -> dict[str, Any]:
+    """What the summary reads of a run (the committed lines stay small)."""
+    out: dict[str, Any] = {k: r.get(k, 0.0) for k in KEEP}
+    out["meta"] = {k: r["meta"].get(k) for k in KEEP_META}
+    for t in ("turn1", "turn2plus"):
+        out[t] = {k: r[t][k] for k in KEEP_TURN}
+    return out
+
+
 def run(pts: list[dict[str, Any]], out: Path, threads: int) -> None:
     loaded: dict[str, Optional[Workload]] = {}
     for wl in {p["workload"] for p in pts}:
@@ -74,10 +100,15 @@ def run(pts: list[dict[str, Any]], out: Path, threads: int) -> None:
         r["meta"]["setting"] = p["setting"]
         return r
 
-    with out.open("w") as f, ThreadPoolExecutor(threads) as ex:
+    with _open(out, "wt") as f, ThreadPoolExecutor(threads) as ex:
         for r in ex.map(one, pts):
-            f.write(json.dumps(r) + "\n")
+            f.write(json.dumps(compact(r)) + "\n")
     print(f"{len(pts)} runs in {time.monotonic() - t0:.1f} s -> {out}", file=sys.stderr)
+
+
+def _open(path: Path, mode: str) -> Any:
+    """A sweep's lines, gzip-compressed when the name ends in .gz."""
+    return gzip.open(path, mode) if path.suffix == ".gz" else path.open(mode[0])
 
 
 def _key(m: dict[str, Any]) -> tuple[str, str, float]:
@@ -85,7 +116,8 @@ def _key(m: dict[str, Any]) -> tuple[str, str, float]:
 
 
 def summary(path: Path) -> str:
-    runs = [json.loads(line) for line in path.open()]
+    with _open(path, "rt") as f:
+        runs = [json.loads(line) for line in f]
     by: dict[tuple[str, tuple[str, str, float]], dict[str, dict[str, Any]]] = defaultdict(dict)
     for r in runs:
         m = r["meta"]
@@ -100,16 +132,27 @@ def summary(path: Path) -> str:
             n = len(cells)
             ttft = sum(_best(v, live, "avg_ttft_ms") for _, v in cells)
             tpot = sum(_best(v, live, "avg_tpot_ms") for _, v in cells)
-            lines.append(f"| {setting} | {label} | {n} | {ttft} ({100 * ttft / n:.0f} %) | {tpot} ({100 * tpot / n:.0f} %) |")
+            lines.append(
+                f"| {setting} | {label} | {n} | {ttft} ({100 * ttft / n:.0f} %) | {tpot} ({100 * tpot / n:.0f} %) |"
+            )
             for pol in ("ppd", "dynamo-isl", "dynamo-load", "llmd-threshold", "fraction:0.5"):
                 t1 = sum(_best(v, pol, "avg_ttft_ms") for _, v in cells)
                 t2 = sum(_best(v, pol, "avg_tpot_ms") for _, v in cells)
                 lines.append(f"| {setting} | {label}: {pol} instead | {n} | {t1} | {t2} |")
-    out = ["## Goal A (TTFT / TPOT best-or-tie within 1 % against both pd and local)", "",
-           "| setting | points | n | TTFT wins or ties | TPOT wins or ties |", "|---|---|---:|---:|---:|", *lines, ""]
-    out += ["## ppd-live against each policy, weights (1, 1), Turn-2+ means", "",
-            "| policy | points | no worse on both (within 1 %) | better on both | TTFT within 1 % | TPOT within 1 % |",
-            "|---|---:|---:|---:|---:|---:|"]
+    out = [
+        "## Goal A (TTFT / TPOT best-or-tie within 1 % against both pd and local)",
+        "",
+        "| setting | points | n | TTFT wins or ties | TPOT wins or ties |",
+        "|---|---|---:|---:|---:|",
+        *lines,
+        "",
+    ]
+    out += [
+        "## ppd-live against each policy, weights (1, 1), Turn-2+ means",
+        "",
+        "| policy | points | no worse on both (within 1 %) | better on both | TTFT within 1 % | TPOT within 1 % |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     w1 = [v for (s, _), v in by.items() if s == "w1" and live in v]
     for pol in POLICIES:
         if pol == live:
@@ -126,39 +169,59 @@ def summary(path: Path) -> str:
             both += mt <= 1.01 * ot and mp <= 1.01 * op
             better += mt < ot and mp < op
         out.append(f"| {pol} | {n} | {both} | {better} | {t_ok} | {p_ok} |")
-    out += ["", "## Goal B (SLO attainment, all requests)", "",
-            "| SLO | points | ppd-live ≥ every other − 1 pt | points where some policy misses | ppd-live strictly best there |",
-            "|---|---:|---:|---:|---:|"]
+    out += [
+        "",
+        "## Goal B (SLO attainment, all requests)",
+        "",
+        "| SLO | points | ppd-live ≥ every other − 1 pt | points where some policy misses | ppd-live strictly best there |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for name in SLOS:
         cells = [v for (s, _), v in by.items() if s == name]
         ok = sum(_attains(v, live) for v in cells)
         missing = [v for v in cells if any(r["slo_attainment"] < 0.9999 for r in v.values())]
         strict = sum(_strictly_best(v, live) for v in missing)
-        out.append(f"| {name} {SLOS[name]} | {len(cells)} | {ok} ({100 * ok / max(1, len(cells)):.0f} %) "
-                   f"| {len(missing)} | {strict} ({100 * strict / max(1, len(missing)):.0f} %) |")
+        out.append(
+            f"| {name} {SLOS[name]} | {len(cells)} | {ok} ({100 * ok / max(1, len(cells)):.0f} %) "
+            f"| {len(missing)} | {strict} ({100 * strict / max(1, len(missing)):.0f} %) |"
+        )
     out += ["", "## Goal C (success rate 100 % wherever a static policy's is)", ""]
     for setting in [f"w{w:g}" for _, w in WEIGHTS] + list(SLOS):
         cells = [v for (s, _), v in by.items() if s == setting]
         need = [v for v in cells if any(v[p]["success_rate"] >= 0.99999 for p in STATIC if p in v)]
         met = sum(v[live]["success_rate"] >= 0.99999 for v in need)
         out.append(f"- {setting}: {met} of {len(need)} points")
-    out += ["", "## Mean Turn-2+ TTFT / TPOT (ms), wildchat-like, weights (1, 1)", "",
-            "| layout | qps | " + " | ".join(POLICIES) + " |", "|---|---:|" + "---:|" * len(POLICIES)]
+    out += [
+        "",
+        "## Mean Turn-2+ TTFT / TPOT (ms), wildchat-like, weights (1, 1)",
+        "",
+        "| layout | qps | " + " | ".join(POLICIES) + " |",
+        "|---|---:|" + "---:|" * len(POLICIES),
+    ]
     for (s, k), v in sorted(by.items(), key=lambda kv: (kv[0][1][1], kv[0][1][2])):
         if s != "w1" or k[0] != "wildchat-like":
             continue
-        vals = [f"{v[p]['turn2plus']['avg_ttft_ms']:.0f} / {v[p]['turn2plus']['avg_tpot_ms']:.2f}" if p in v else "–"
-                for p in POLICIES]
+        vals = [
+            f"{v[p]['turn2plus']['avg_ttft_ms']:.0f} / {v[p]['turn2plus']['avg_tpot_ms']:.2f}" if p in v else "–"
+            for p in POLICIES
+        ]
         out.append(f"| {k[1]} | {k[2]:g} | " + " | ".join(vals) + " |")
-    out += ["", "## ppd-live's path shares and prediction error, wildchat-like, weights (1, 1)", "",
-            "| layout | qps | local | pull | pd | median abs ln(observed/predicted) TTFT |", "|---|---:|---:|---:|---:|---:|"]
+    out += [
+        "",
+        "## ppd-live's path shares and prediction error, wildchat-like, weights (1, 1)",
+        "",
+        "| layout | qps | local | pull | pd | median abs ln(observed/predicted) TTFT |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for (s, k), v in sorted(by.items(), key=lambda kv: (kv[0][1][1], kv[0][1][2])):
         if s != "w1" or k[0] != "wildchat-like" or live not in v:
             continue
         r = v[live]
         pd_share = 1.0 - r["local_share"] - r.get("pull_share", 0.0)
-        out.append(f"| {k[1]} | {k[2]:g} | {r['local_share']:.2f} | {r.get('pull_share', 0.0):.2f} | {pd_share:.2f} "
-                   f"| {r.get('ttft_prediction_error', 0.0):.3f} |")
+        out.append(
+            f"| {k[1]} | {k[2]:g} | {r['local_share']:.2f} | {r.get('pull_share', 0.0):.2f} | {pd_share:.2f} "
+            f"| {r.get('ttft_prediction_error', 0.0):.3f} |"
+        )
     return "\n".join(out)
 
 
