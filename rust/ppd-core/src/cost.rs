@@ -76,6 +76,11 @@ pub struct PathCost {
     pub corunners: u32,
     /// D's decode step without this request's prefill: the TPOT of its batch, ms.
     pub base_tpot_ms: f64,
+    /// How far observed TTFTs spread around the prediction, relative (σ of
+    /// ln(observed / predicted) on the node that computes it).
+    pub ttft_spread: f64,
+    /// The same for TPOTs on D.
+    pub tpot_spread: f64,
 }
 
 impl PathCost {
@@ -138,6 +143,11 @@ struct NodeResiduals {
     /// its own starts from (a node twice as slow is so for every path).
     any: AtomicU64,
     any_n: AtomicU64,
+    /// Weighted means of the squared residuals: their spread.
+    any_sq: AtomicU64,
+    tpot_sq: AtomicU64,
+    tpot_sq_n: AtomicU64,
+    any_sq_n: AtomicU64,
     tpot: AtomicU64,
     tpot_n: AtomicU64,
 }
@@ -151,6 +161,21 @@ pub struct Corrections {
     /// fresh node converges as fast as its data allows.
     alpha: f64,
     nodes: RwLock<AHashMap<u32, Box<NodeResiduals>>>,
+}
+
+/// The spread assumed until a node has [`MIN_SPREAD_SAMPLES`] residuals.
+pub const DEFAULT_SPREAD: f64 = 0.1;
+const MIN_SPREAD_SAMPLES: u64 = 8;
+
+/// σ of the residuals from their weighted mean and mean square, bounded to
+/// what a prediction can usefully be trusted or distrusted by.
+fn spread(mean: &AtomicU64, sq: &AtomicU64, n: &AtomicU64) -> f64 {
+    if n.load(Ordering::Relaxed) < MIN_SPREAD_SAMPLES {
+        return DEFAULT_SPREAD;
+    }
+    let m = f64::from_bits(mean.load(Ordering::Relaxed));
+    let q = f64::from_bits(sq.load(Ordering::Relaxed));
+    (q - m * m).max(0.0).sqrt().clamp(0.02, 1.0)
 }
 
 /// Residuals beyond ×/÷ e³ (20×) are a fault or a clock jump, not a trend.
@@ -192,6 +217,22 @@ impl Corrections {
         })
     }
 
+    /// How widely TTFTs on `node` scatter around their corrected prediction (σ, relative).
+    pub fn ttft_spread(&self, node: u32) -> f64 {
+        let nodes = self.nodes.read();
+        nodes
+            .get(&node)
+            .map_or(DEFAULT_SPREAD, |r| spread(&r.any, &r.any_sq, &r.any_sq_n))
+    }
+
+    /// How widely TPOTs on `node` scatter around their corrected prediction (σ, relative).
+    pub fn tpot_spread(&self, node: u32) -> f64 {
+        let nodes = self.nodes.read();
+        nodes.get(&node).map_or(DEFAULT_SPREAD, |r| {
+            spread(&r.tpot, &r.tpot_sq, &r.tpot_sq_n)
+        })
+    }
+
     /// The factor by which D's predicted step time (TPOT) is off.
     pub fn tpot_factor(&self, node: u32) -> f64 {
         let nodes = self.nodes.read();
@@ -224,6 +265,7 @@ impl Corrections {
         self.with_node(node, |r| {
             ewma(&r.ttft[p][c], &r.ttft_n[p][c], ln, self.alpha);
             ewma(&r.any, &r.any_n, ln, self.alpha);
+            ewma(&r.any_sq, &r.any_sq_n, ln * ln, self.alpha);
         });
     }
 
@@ -232,7 +274,10 @@ impl Corrections {
         let Some(ln) = ln_ratio(observed_ms, predicted_ms) else {
             return;
         };
-        self.with_node(node, |r| ewma(&r.tpot, &r.tpot_n, ln, self.alpha));
+        self.with_node(node, |r| {
+            ewma(&r.tpot, &r.tpot_n, ln, self.alpha);
+            ewma(&r.tpot_sq, &r.tpot_sq_n, ln * ln, self.alpha);
+        });
     }
 
     /// Drops a node's corrections (it left; a node joining under the same id starts afresh).
@@ -334,6 +379,8 @@ impl CostModel {
             tpot_added_ms: on_d.added_ms / mean_out,
             corunners: live.d.running,
             base_tpot_ms: on_d.base_ms,
+            ttft_spread: DEFAULT_SPREAD,
+            tpot_spread: DEFAULT_SPREAD,
         };
         // A pd or pull turn reaches D with all but the last prompt token
         // computed elsewhere: D computes one token in its next step.
@@ -349,6 +396,8 @@ impl CostModel {
                 tpot_added_ms: d_first.added_ms / mean_out,
                 corunners: live.d.running,
                 base_tpot_ms: d_first.base_ms,
+                ttft_spread: DEFAULT_SPREAD,
+                tpot_spread: DEFAULT_SPREAD,
             }
         };
         let Some(pv) = live.p else {
@@ -359,6 +408,8 @@ impl CostModel {
                 tpot_added_ms: direct.added_ms / mean_out,
                 corunners: live.d.running,
                 base_tpot_ms: direct.base_ms,
+                ttft_spread: DEFAULT_SPREAD,
+                tpot_spread: DEFAULT_SPREAD,
             };
             return Forecast {
                 pd,
@@ -406,10 +457,15 @@ impl CostModel {
         f.pull.ttft_ms *= c.ttft_factor(p, Path::Pull, computed_local);
         f.pd.ttft_ms *= c.ttft_factor(p, Path::Pd, prompt.saturating_sub(live.p_cached));
         let t = c.tpot_factor(d);
+        let tpot_spread = c.tpot_spread(d);
         for pc in [&mut f.pd, &mut f.local, &mut f.pull] {
             pc.tpot_added_ms *= t;
             pc.base_tpot_ms *= t;
+            pc.tpot_spread = tpot_spread;
         }
+        f.local.ttft_spread = c.ttft_spread(d);
+        f.pull.ttft_spread = c.ttft_spread(p);
+        f.pd.ttft_spread = c.ttft_spread(p);
     }
 
     /// Scores the TPOT observed on D against the decode step the profile
@@ -689,6 +745,24 @@ mod tests {
         }
         // alpha 0.2: within 5 % of the new ratio after 14 samples.
         assert!(n <= 14, "{n}");
+    }
+
+    #[test]
+    fn the_spread_is_learnt_from_how_much_observations_scatter() {
+        let c = Corrections::default();
+        assert_eq!(c.ttft_spread(1), DEFAULT_SPREAD, "unknown node");
+        // Alternately 20 % over and under: σ of ln ≈ 0.18.
+        for i in 0..60 {
+            let obs = if i % 2 == 0 { 12.0 } else { 10.0 / 1.2 };
+            c.observe_ttft(1, Path::Local, 64, 10.0, obs);
+            c.observe_tpot(1, 10.0, 10.0);
+        }
+        assert!(
+            (c.ttft_spread(1) - 1.2f64.ln()).abs() < 0.03,
+            "{}",
+            c.ttft_spread(1)
+        );
+        assert_eq!(c.tpot_spread(1), 0.02, "exact predictions: the floor");
     }
 
     #[test]

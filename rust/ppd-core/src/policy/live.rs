@@ -37,14 +37,11 @@ pub fn score(f: &Forecast, path: Path, w: Weights) -> f64 {
     w.w_ttft * d_ttft - w.w_tpot * (c.tpot_burden() - pd.tpot_burden())
 }
 
-/// Spread of an observed latency around its prediction, as a share of it
-/// (the corrected model's median error is a few per cent; tails are wider).
-const SPREAD: f64 = 0.1;
-
-/// P(X ≤ limit) for X spread [`SPREAD`] around `predicted`: the logistic
+/// P(X ≤ limit) for X scattered around `predicted` by a relative σ
+/// `spread` (learnt per node by the corrections): the logistic
 /// approximation of the normal CDF (within 0.01 of it everywhere).
-fn within(limit: f64, predicted: f64) -> f64 {
-    let sigma = (SPREAD * predicted).max(1e-6);
+fn within(limit: f64, predicted: f64, spread: f64) -> f64 {
+    let sigma = (spread * predicted).max(1e-6);
     1.0 / (1.0 + (-1.702 * (limit - predicted) / sigma).exp())
 }
 
@@ -53,9 +50,9 @@ fn within(limit: f64, predicted: f64) -> f64 {
 /// TPOT the path's stall pushes over the objective (those whose TPOT lay
 /// within the stall below it).
 pub fn goodput(c: &PathCost, slo: Slo) -> f64 {
-    let meets = within(slo.ttft_ms, c.ttft_ms) * within(slo.tpot_ms, c.base_tpot_ms);
-    let pushed_over =
-        within(slo.tpot_ms, c.base_tpot_ms) - within(slo.tpot_ms - c.tpot_added_ms, c.base_tpot_ms);
+    let tpot = |limit: f64| within(limit, c.base_tpot_ms, c.tpot_spread);
+    let meets = within(slo.ttft_ms, c.ttft_ms, c.ttft_spread) * tpot(slo.tpot_ms);
+    let pushed_over = tpot(slo.tpot_ms) - tpot(slo.tpot_ms - c.tpot_added_ms);
     meets - f64::from(c.corunners) * pushed_over
 }
 
@@ -108,6 +105,8 @@ mod tests {
             tpot_added_ms,
             corunners,
             base_tpot_ms: 10.0,
+            ttft_spread: crate::cost::DEFAULT_SPREAD,
+            tpot_spread: crate::cost::DEFAULT_SPREAD,
         }
     }
 
