@@ -17,6 +17,13 @@ python -m pip install -q "maturin>=1.7,<2"
 echo "== build: Python extension (release) and its dependencies"
 maturin develop -q --release --extras test
 
+# The abi3 manylinux wheel a user installs (tests/packaging installs it into fresh venvs without
+# Rust). Same Cargo target directory and profile as the build above, so cargo reuses it.
+echo "== build: the wheel"
+export PPD_WHEEL_DIR="$PWD/target/wheels"
+rm -f "$PPD_WHEEL_DIR"/ppd_router-*.whl
+maturin build -q --release -o "$PPD_WHEEL_DIR"
+
 echo "== rust: fmt, clippy, tests (the workspace, and bench/loadgen)"
 cargo fmt --all -- --check
 cargo clippy -q --workspace --all-targets -- -D warnings
