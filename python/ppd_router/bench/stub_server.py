@@ -196,7 +196,7 @@ class StubServer:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description="Minimal OpenAI-compatible streaming stub server.")
+    ap = argparse.ArgumentParser(description="Minimal OpenAI-compatible streaming stub server.", allow_abbrev=False)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8100)
     ap.add_argument("--ttft-ms", type=float, default=10.0)
