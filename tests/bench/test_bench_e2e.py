@@ -191,6 +191,19 @@ def test_json_mode_prints_only_the_object(result, run):
     assert rc == 0 and err == "" and "turn1" in summary
 
 
+def test_events_whose_data_spans_several_lines_are_read_whole():
+    # SSE joins an event's data: lines with newlines; a line-by-line reader saw broken JSON here.
+    cfg = StubConfig(ttft_s=0.0, behaviour=lambda body, req: "multiline")
+    with StubServer(cfg) as server:
+        from ppd_router.bench.client import BenchConfig
+        from ppd_router.bench.client import run as run_bench
+        from ppd_router.bench.workloads import load_workload
+
+        res = run_bench(BenchConfig(target=server.url, workload=load_workload("small_tiny"), qps=5, duration=0.6, seed=2))
+    assert res.records and [r.reason for r in res.records if not r.ok] == []
+    assert all(r.usage_reported for r in res.records)  # the usage event, split too, was parsed
+
+
 def test_think_time_separates_turns_and_missing_usage_falls_back_to_word_rule():
     think = 0.15
     cfg = StubConfig(ttft_s=0.0, behaviour=lambda body, req: "no_usage", record=True)

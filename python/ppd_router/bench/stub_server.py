@@ -26,7 +26,8 @@ from aiohttp import web
 
 # What to do with one request: "ok", "http_500" (any http_<code>), "hang",
 # "malformed" (a non-JSON event), "no_done" (stream ends without [DONE]),
-# "drop" (connection closed mid-stream), "no_usage" (no usage chunk).
+# "drop" (connection closed mid-stream), "no_usage" (no usage chunk),
+# "multiline" (each event's JSON split over two ``data:`` lines, as SSE allows).
 Behaviour = Callable[[dict[str, Any], "web.Request"], str]
 PathRule = Callable[[dict[str, Any], "web.Request"], Optional[str]]
 
@@ -69,6 +70,13 @@ def _chunk(obj: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
+def _multiline(event: bytes) -> bytes:
+    """The same event with its data over two ``data:`` lines, split after the JSON's first comma:
+    a reader joins them with a newline, which JSON takes as whitespace."""
+    head, sep, tail = event.partition(b",")
+    return head + sep + b"\ndata: " + tail if sep else event
+
+
 def make_app(cfg: StubConfig) -> web.Application:
     base = {"id": "chatcmpl-stub", "object": "chat.completion.chunk", "model": cfg.model}
     role = _chunk(
@@ -92,7 +100,8 @@ def make_app(cfg: StubConfig) -> web.Application:
         n = int(body.get("max_tokens") or 16)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **headers})
         await resp.prepare(request)
-        await resp.write(role)
+        event: Callable[[bytes], bytes] = _multiline if what == "multiline" else bytes
+        await resp.write(event(role))
         if what == "hang":
             await asyncio.sleep(3600)  # cancelled when the client gives up
         if cfg.ttft_s > 0:
@@ -103,21 +112,23 @@ def make_app(cfg: StubConfig) -> web.Application:
         for i in range(n):
             if i and cfg.itl_s > 0:
                 await asyncio.sleep(cfg.itl_s)
-            await resp.write(token)
+            await resp.write(event(token))
             if what == "drop" and i == n // 2:
                 assert request.transport is not None
                 request.transport.close()  # the client sees the body cut short
                 return resp
-        await resp.write(finish)
+        await resp.write(event(finish))
         n_prompt = sum(len(str(m.get("content", "")).split()) for m in body.get("messages", ()))
         if (body.get("stream_options") or {}).get("include_usage") and what != "no_usage":
             await resp.write(
-                _chunk(
-                    {
-                        **base,
-                        "choices": [],
-                        "usage": {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n},
-                    }
+                event(
+                    _chunk(
+                        {
+                            **base,
+                            "choices": [],
+                            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n},
+                        }
+                    )
                 )
             )
         if what != "no_done":
