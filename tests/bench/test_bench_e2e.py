@@ -237,3 +237,43 @@ def test_out_file_carries_meta_that_the_report_reads(result):
     assert (row.workload, row.qps) == ("small_mid_bal", QPS)
     assert row.t2_avg_ttft == summary["turn2plus"]["avg_ttft_ms"]
     assert row.success_rate == summary["success_rate"]
+
+
+def test_refused_and_unanswered_connections_are_connection_errors_not_timeouts():
+    # httpx-aiohttp reports aiohttp's connection errors as httpx ConnectTimeout; the client must
+    # not count them as timeouts.
+    import socket
+    import threading
+
+    from ppd_router.bench.client import BenchConfig
+    from ppd_router.bench.client import run as run_bench
+    from ppd_router.bench.workloads import load_workload
+
+    def reasons(port: int) -> set:
+        cfg = BenchConfig(target=f"http://127.0.0.1:{port}", workload=load_workload("small_tiny"), qps=20,
+                          duration=0.5, model="m")
+        return {r.reason for r in run_bench(cfg).records if r.reason != NOT_SENT}
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        refused_port = s.getsockname()[1]  # closed again: nothing listens there
+    assert reasons(refused_port) == {"connection_error"}
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+
+    def read_then_close() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return  # the test closed the listener
+            conn.recv(65536)
+            conn.close()
+
+    threading.Thread(target=read_then_close, daemon=True).start()
+    try:
+        assert reasons(server.getsockname()[1]) == {"connection_error"}
+    finally:
+        server.close()

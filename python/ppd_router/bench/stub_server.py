@@ -17,12 +17,13 @@ import argparse
 import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import orjson
 from aiohttp import web
+from multidict import CIMultiDict
 
 # What to do with one request: "ok", "http_500" (any http_<code>), "hang",
 # "malformed" (a non-JSON event), "no_done" (stream ends without [DONE]),
@@ -46,7 +47,7 @@ def default_path(body: dict[str, Any], request: web.Request) -> Optional[str]:
 class SeenRequest:
     """A request as the stub received it, for tests to check what the client sent."""
 
-    headers: dict[str, str]
+    headers: Mapping[str, str]  # case-insensitive, as HTTP header names are
     body: dict[str, Any]
     behaviour: str
     path: Optional[str]
@@ -93,7 +94,7 @@ def make_app(cfg: StubConfig) -> web.Application:
         what = cfg.behaviour(body, request) if cfg.behaviour else "ok"
         path = cfg.path_rule(body, request) if cfg.path_rule else None
         if cfg.record:
-            cfg.seen.append(SeenRequest(dict(request.headers), body, what, path))
+            cfg.seen.append(SeenRequest(CIMultiDict(request.headers), body, what, path))
         headers = {"x-ppd-path": path} if path else {}
         if what.startswith("http_"):
             return web.json_response({"error": {"message": "injected failure"}}, status=int(what[5:]), headers=headers)
