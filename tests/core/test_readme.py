@@ -7,7 +7,7 @@ here: table decisions, simulate, build-table, and serve --emulated with the READ
 bench and report against it (only the port changes: the test's own, on 127.0.0.1). The Python
 block runs too. The rest are checked elsewhere: ``pip install`` of the wheel and the Dockerfile
 in tests/packaging, the manifests of ``kubectl apply`` likewise, ``bash scripts/test.sh`` is
-CI itself, and launch needs vLLM (tests/launch, tests/vllm).
+CI itself, and launch needs vLLM (tests/launch, tests/vllm) except with --dry-run, which runs here.
 """
 
 from __future__ import annotations
@@ -200,3 +200,14 @@ def test_the_python_example_runs(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     path, reason, _score = r.stdout.split()
     assert path in {"pd", "local"} and reason in _core.REASONS
+
+
+def test_the_gpu_launch_command_plans_its_nodes_with_dry_run(tmp_path: Path) -> None:
+    # No GPU or vLLM here: --dry-run validates the command and prints the plan, starting nothing.
+    (launch,) = [a for a in readme_commands(["launch"]) if "--gpus" in a]
+    (tmp_path / "token.txt").write_text("readme-token\n")
+    r = run_cli([*launch, "--dry-run"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert len(plan["nodes"]) == 4  # 2P2pD, one GPU each
+    assert "CUDA_VISIBLE_DEVICES" in r.stdout and "readme-token" not in r.stdout
