@@ -146,6 +146,8 @@ def _serve(args: argparse.Namespace) -> int:
 _COMPAT_ALIASES: dict[str, tuple[str, ...]] = {
     "replica": ("--worker-urls",),
     "request_timeout": ("--request-timeout-secs",),
+    "max_body_bytes": ("--max-payload-size",),
+    "health_interval": ("--health-check-interval-secs",),
 }
 
 # Settings that choose the nodes; `launch` starts its own nodes and fills these in.

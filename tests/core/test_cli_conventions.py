@@ -36,10 +36,16 @@ def test_several_urls_after_one_flag_and_repeats_mix(capsys):
 
 def test_vllm_router_spellings_reach_the_same_settings(capsys):
     settings = printed_config(
-        capsys, "--pd-disaggregation", "--worker-urls", P1, "--worker-urls", P2, "--request-timeout-secs", "42"
-    )
+        capsys,
+        "--pd-disaggregation",
+        "--worker-urls", P1, "--worker-urls", P2,
+        "--request-timeout-secs", "42",
+        "--max-payload-size", "1048576",
+        "--health-check-interval-secs", "7",
+    )  # fmt: skip
     assert settings["replica"] == [P1, P2]
     assert settings["request_timeout"] == 42
+    assert (settings["max_body_bytes"], settings["health_interval"]) == (1048576, 7)
 
 
 def test_a_prefix_of_a_flag_is_refused_not_guessed(capsys):
