@@ -13,7 +13,7 @@ from ppd_router._core import Router, validate_router_config
 # flag -> (config key, type, help); list-valued flags take one or more URLs.
 _LISTS = {
     "prefill": "prefill (P) node URLs",
-    "decode": "decode-only (D) node URLs",
+    "decode": "decode-only (D) node URLs: never serve a turn locally (vllm-router's --decode is any decoding node)",
     "pd_capable": "prefill-capable decode (pD) node URLs",
     "replica": "replica (R) node URLs",
 }
