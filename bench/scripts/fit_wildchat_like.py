@@ -17,7 +17,7 @@ from ppd_router.bench.workloads import WildChatLikeWorkload, summarize
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--n", type=int, default=20000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--scale", type=float, nargs="*", default=[1.0])

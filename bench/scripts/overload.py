@@ -64,7 +64,7 @@ def summary(run: dict) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--workload", default="large_very_long_gen", help="long decodes: capacity is decode-bound")
     ap.add_argument("--ramp", type=float, nargs="+", default=[0.5, 1, 2, 3, 4, 6, 8])
     ap.add_argument("--ramp-duration", type=float, default=15)

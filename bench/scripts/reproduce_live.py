@@ -48,7 +48,7 @@ def wait_health(url: str, proc: subprocess.Popen, limit: float = 60.0) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--workloads", default="wildchat-like")
     ap.add_argument("--qps", default="2,8,16")

@@ -78,7 +78,7 @@ def run(points: list[dict[str, Any]], path: Path, threads: int) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--out-dir", type=Path, required=True)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", default="grid,modes,wtpot")

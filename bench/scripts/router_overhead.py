@@ -249,7 +249,7 @@ def loadgen_argv(target: str, target_url: str | None, url: dict, rate: float, du
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--rates", type=float, nargs="+", default=[500.0, 2000.0])
     ap.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals per run")
     ap.add_argument("--reps", type=int, default=3)

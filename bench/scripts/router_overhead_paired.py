@@ -82,7 +82,7 @@ ROUTER_OF = {"relay_t2": "relay", "ppd_local_t2": "ppd", "ws_local_t2": "ws", "o
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--rates", type=float, nargs="+", default=[500.0, 2000.0], help="routed rates, req/s")
     ap.add_argument("--probe-share", type=float, default=0.25, help="baseline rate as a share of the routed rate")
     ap.add_argument("--duration", type=float, default=8.0)

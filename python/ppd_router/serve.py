@@ -13,7 +13,7 @@ from ppd_router._core import Router, validate_router_config
 # flag -> (config key, type, help); list-valued flags take one or more URLs.
 _LISTS = {
     "prefill": "prefill (P) node URLs",
-    "decode": "decode-only (D) node URLs",
+    "decode": "decode-only (D) node URLs: never serve a turn locally (vllm-router's --decode is any decoding node)",
     "pd_capable": "prefill-capable decode (pD) node URLs",
     "replica": "replica (R) node URLs",
 }
@@ -157,6 +157,16 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# vllm-router's and SMG's spellings of the same settings (README: "Flags of vllm-router and SMG").
+# Their --decode names every decoding node; here it is a decode-only D, and --pd-capable names the
+# decoding nodes that may also append-prefill (local turns).
+_COMPAT_ALIASES: dict[str, tuple[str, ...]] = {
+    "replica": ("--worker-urls",),
+    "request_timeout": ("--request-timeout-secs",),
+    "max_body_bytes": ("--max-payload-size",),
+    "health_interval": ("--health-check-interval-secs",),
+}
+
 # Settings that choose the nodes; `launch` starts its own nodes and fills these in.
 _NODE_SETTINGS = ("emulated", "emulator_profile")
 
@@ -166,10 +176,18 @@ def add_settings_flags(p: argparse.ArgumentParser, node_lists: bool = True) -> N
     p.add_argument("--config", metavar="FILE.toml", help="settings file; flags override it")
     if node_lists:
         for key, help_text in _LISTS.items():
-            p.add_argument("--" + key.replace("_", "-"), nargs="+", metavar="URL", default=None, help=help_text)
+            # extend: `--prefill A --prefill B` and `--prefill A B` both give [A, B], as in vllm-router and SMG.
+            flags = ["--" + key.replace("_", "-"), *_COMPAT_ALIASES.get(key, ())]
+            p.add_argument(*flags, dest=key, action="extend", nargs="+", metavar="URL", default=None, help=help_text)
+        p.add_argument(
+            "--pd-disaggregation",
+            action="store_true",
+            help="accepted for vllm-router / SMG command lines; has no effect (the nodes given choose the paths)",
+        )
     for key, (typ, help_text) in _SCALARS.items():
         if node_lists or key not in _NODE_SETTINGS:
-            p.add_argument("--" + key.replace("_", "-"), type=typ, default=None, help=help_text)
+            flags = ["--" + key.replace("_", "-"), *_COMPAT_ALIASES.get(key, ())]
+            p.add_argument(*flags, dest=key, type=typ, default=None, help=help_text)
     for key, help_text in _SWITCHES.items():
         p.add_argument("--" + key.replace("_", "-"), action="store_const", const=True, default=None, help=help_text)
 

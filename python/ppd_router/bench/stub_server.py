@@ -17,16 +17,18 @@ import argparse
 import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import orjson
 from aiohttp import web
+from multidict import CIMultiDict
 
 # What to do with one request: "ok", "http_500" (any http_<code>), "hang",
 # "malformed" (a non-JSON event), "no_done" (stream ends without [DONE]),
-# "drop" (connection closed mid-stream), "no_usage" (no usage chunk).
+# "drop" (connection closed mid-stream), "no_usage" (no usage chunk),
+# "multiline" (each event's JSON split over two ``data:`` lines, as SSE allows).
 Behaviour = Callable[[dict[str, Any], "web.Request"], str]
 PathRule = Callable[[dict[str, Any], "web.Request"], Optional[str]]
 
@@ -45,7 +47,7 @@ def default_path(body: dict[str, Any], request: web.Request) -> Optional[str]:
 class SeenRequest:
     """A request as the stub received it, for tests to check what the client sent."""
 
-    headers: dict[str, str]
+    headers: Mapping[str, str]  # case-insensitive, as HTTP header names are
     body: dict[str, Any]
     behaviour: str
     path: Optional[str]
@@ -69,6 +71,13 @@ def _chunk(obj: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
+def _multiline(event: bytes) -> bytes:
+    """The same event with its data over two ``data:`` lines, split after the JSON's first comma:
+    a reader joins them with a newline, which JSON takes as whitespace."""
+    head, sep, tail = event.partition(b",")
+    return head + sep + b"\ndata: " + tail if sep else event
+
+
 def make_app(cfg: StubConfig) -> web.Application:
     base = {"id": "chatcmpl-stub", "object": "chat.completion.chunk", "model": cfg.model}
     role = _chunk(
@@ -85,14 +94,15 @@ def make_app(cfg: StubConfig) -> web.Application:
         what = cfg.behaviour(body, request) if cfg.behaviour else "ok"
         path = cfg.path_rule(body, request) if cfg.path_rule else None
         if cfg.record:
-            cfg.seen.append(SeenRequest(dict(request.headers), body, what, path))
+            cfg.seen.append(SeenRequest(CIMultiDict(request.headers), body, what, path))
         headers = {"x-ppd-path": path} if path else {}
         if what.startswith("http_"):
             return web.json_response({"error": {"message": "injected failure"}}, status=int(what[5:]), headers=headers)
         n = int(body.get("max_tokens") or 16)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **headers})
         await resp.prepare(request)
-        await resp.write(role)
+        event: Callable[[bytes], bytes] = _multiline if what == "multiline" else bytes
+        await resp.write(event(role))
         if what == "hang":
             await asyncio.sleep(3600)  # cancelled when the client gives up
         if cfg.ttft_s > 0:
@@ -103,21 +113,23 @@ def make_app(cfg: StubConfig) -> web.Application:
         for i in range(n):
             if i and cfg.itl_s > 0:
                 await asyncio.sleep(cfg.itl_s)
-            await resp.write(token)
+            await resp.write(event(token))
             if what == "drop" and i == n // 2:
                 assert request.transport is not None
                 request.transport.close()  # the client sees the body cut short
                 return resp
-        await resp.write(finish)
+        await resp.write(event(finish))
         n_prompt = sum(len(str(m.get("content", "")).split()) for m in body.get("messages", ()))
         if (body.get("stream_options") or {}).get("include_usage") and what != "no_usage":
             await resp.write(
-                _chunk(
-                    {
-                        **base,
-                        "choices": [],
-                        "usage": {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n},
-                    }
+                event(
+                    _chunk(
+                        {
+                            **base,
+                            "choices": [],
+                            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n},
+                        }
+                    )
                 )
             )
         if what != "no_done":
@@ -196,7 +208,7 @@ class StubServer:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description="Minimal OpenAI-compatible streaming stub server.")
+    ap = argparse.ArgumentParser(description="Minimal OpenAI-compatible streaming stub server.", allow_abbrev=False)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8100)
     ap.add_argument("--ttft-ms", type=float, default=10.0)

@@ -385,7 +385,6 @@ def load_sharegpt(path: Optional[Path], flt: ConversationFilter, seed: int = 0) 
         "source": str(src),
         "recovered_records": stats.records,
         "truncated": stats.truncated,
-        "dropped_chars": stats.dropped_chars,
         **counts,
     }
     return RecordedWorkload("sharegpt", convs, seed, info)

@@ -5,16 +5,13 @@
 //!              [--workloads small_tiny,...] [--qps 0.5,1] [--threads 2] [--seed 0] [--out FILE]
 
 use std::io::Write;
+use std::process::ExitCode;
 use std::time::Instant;
 
+use clap::Parser;
 use ppd_core::catalog::{paper_configs, paper_workload_names, PAPER_QPS};
 use ppd_model::load_profile;
 use ppd_model::sim::{run_grid, SimConfig};
-
-fn fail(msg: &str) -> ! {
-    eprintln!("ppd-sim-grid: {msg}");
-    std::process::exit(2)
-}
 
 fn set_path(v: &mut toml::Value, path: &str, raw: &str) -> Result<(), String> {
     let mut cur = v;
@@ -49,62 +46,92 @@ fn set_path(v: &mut toml::Value, path: &str, raw: &str) -> Result<(), String> {
     Err(format!("{path}: empty path"))
 }
 
-fn main() {
-    let mut args = std::env::args().skip(1);
-    let mut profile_name = "default".to_owned();
-    let mut sets: Vec<(String, String)> = vec![];
-    let mut configs: Vec<String> = paper_configs().iter().map(|c| c.0.to_owned()).collect();
-    let mut workloads = paper_workload_names();
-    let mut qps: Vec<f64> = PAPER_QPS.to_vec();
-    let mut threads = 2usize;
-    let mut seed = 0u64;
-    let mut out: Option<String> = None;
-    while let Some(a) = args.next() {
-        let mut val = || {
-            args.next()
-                .unwrap_or_else(|| fail(&format!("{a} needs a value")))
+/// Simulate (a subset of) the paper's grid; one CSV row per point, with sweep.csv's columns.
+#[derive(Parser, Debug)]
+#[command(name = "ppd-sim-grid")]
+struct Args {
+    /// Engine profile: a built-in name or a TOML path.
+    #[arg(long, default_value = "default")]
+    profile: String,
+    /// Override one profile field, e.g. step.overhead_ms=7.5 (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE", value_parser = key_value)]
+    sets: Vec<(String, String)>,
+    /// Deployments, comma-separated (default: the paper's 17).
+    #[arg(long, value_delimiter = ',')]
+    configs: Vec<String>,
+    /// Workloads, comma-separated (default: the paper's 18).
+    #[arg(long, value_delimiter = ',')]
+    workloads: Vec<String>,
+    /// Arrival rates, comma-separated (default: the paper's).
+    #[arg(long, value_delimiter = ',')]
+    qps: Vec<f64>,
+    /// Worker threads.
+    #[arg(long, default_value_t = 2)]
+    threads: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Write the CSV here instead of standard output.
+    #[arg(long)]
+    out: Option<String>,
+}
+
+fn key_value(s: &str) -> Result<(String, String), String> {
+    let (k, v) = s.split_once('=').ok_or("wants KEY=VALUE")?;
+    Ok((k.to_owned(), v.to_owned()))
+}
+
+impl Args {
+    /// The grid's axes, each the paper's when not given.
+    fn axes(&self) -> (Vec<String>, Vec<String>, Vec<f64>) {
+        let or = |given: &Vec<String>, all: Vec<String>| {
+            if given.is_empty() {
+                all
+            } else {
+                given.clone()
+            }
         };
-        match a.as_str() {
-            "--profile" => profile_name = val(),
-            "--set" => {
-                let kv = val();
-                let (k, v) = kv
-                    .split_once('=')
-                    .unwrap_or_else(|| fail("--set wants key=value"));
-                sets.push((k.to_owned(), v.to_owned()));
-            }
-            "--configs" => configs = val().split(',').map(str::to_owned).collect(),
-            "--workloads" => workloads = val().split(',').map(str::to_owned).collect(),
-            "--qps" => {
-                qps = val()
-                    .split(',')
-                    .map(|q| {
-                        q.parse()
-                            .unwrap_or_else(|_| fail(&format!("bad qps {q:?}")))
-                    })
-                    .collect()
-            }
-            "--threads" => threads = val().parse().unwrap_or_else(|_| fail("bad --threads")),
-            "--seed" => seed = val().parse().unwrap_or_else(|_| fail("bad --seed")),
-            "--out" => out = Some(val()),
-            "-h" | "--help" => {
-                println!("see the module doc at the top of ppd-sim-grid.rs");
-                return;
-            }
-            other => fail(&format!("unknown argument {other:?}")),
+        let configs = or(
+            &self.configs,
+            paper_configs().iter().map(|c| c.0.to_owned()).collect(),
+        );
+        let workloads = or(&self.workloads, paper_workload_names());
+        let qps = if self.qps.is_empty() {
+            PAPER_QPS.to_vec()
+        } else {
+            self.qps.clone()
+        };
+        (configs, workloads, qps)
+    }
+}
+
+fn profile_of(args: &Args) -> Result<ppd_model::Profile, String> {
+    let mut profile = load_profile(&args.profile).map_err(|e| e.to_string())?;
+    if !args.sets.is_empty() {
+        let mut v = toml::Value::try_from(&profile).map_err(|e| e.to_string())?;
+        for (k, x) in &args.sets {
+            set_path(&mut v, k, x)?;
+        }
+        profile = v.try_into().map_err(|e: toml::de::Error| e.to_string())?;
+        profile.validate().map_err(|e| e.to_string())?;
+    }
+    Ok(profile)
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(msg) => {
+            eprintln!("ppd-sim-grid: {msg}");
+            ExitCode::from(2)
         }
     }
-    let mut profile = load_profile(&profile_name).unwrap_or_else(|e| fail(&e.to_string()));
-    if !sets.is_empty() {
-        let mut v = toml::Value::try_from(&profile).unwrap_or_else(|e| fail(&e.to_string()));
-        for (k, x) in &sets {
-            set_path(&mut v, k, x).unwrap_or_else(|e| fail(&e));
-        }
-        profile = v
-            .try_into()
-            .unwrap_or_else(|e: toml::de::Error| fail(&e.to_string()));
-        profile.validate().unwrap_or_else(|e| fail(&e.to_string()));
-    }
+}
+
+fn run(args: &Args) -> Result<(), String> {
+    let profile = profile_of(args)?;
+    let (configs, workloads, qps) = args.axes();
+    let (threads, seed) = (args.threads, args.seed);
     let policy_of = |c: &str| {
         if c.contains('P') && (c.contains('D')) {
             "local"
@@ -146,8 +173,8 @@ requests_per_sec,tokens_per_sec,success_rate_pct,local_share,error\n",
             )),
         }
     }
-    match out {
-        Some(path) => std::fs::write(&path, text).unwrap_or_else(|e| fail(&format!("{path}: {e}"))),
+    match &args.out {
+        Some(path) => std::fs::write(path, text).map_err(|e| format!("{path}: {e}"))?,
         None => {
             let _ = std::io::stdout().write_all(text.as_bytes());
         }
@@ -158,4 +185,5 @@ requests_per_sec,tokens_per_sec,success_rate_pct,local_share,error\n",
         threads,
         wall
     );
+    Ok(())
 }
