@@ -28,6 +28,16 @@ Tables (rules, so the numbers can be checked by hand):
 * Table 3: for each (configuration pair, workload, QPS) with x=0, x=1 and PPD
   all present: who has the least Turn-2 mean TPOT, the least Turn-2 mean TTFT
   (ties credit each), and which have a 100 % success rate.
+* Policies side by side (when several policies ran the same points): per
+  policy, its points, mean Turn-2 TTFT and TPOT, success rate and — for
+  results that carry one (``simulate`` with SLOs) — SLO attainment per SLO;
+  and for every pair (A, B), over the points both ran (same configuration,
+  workload, QPS, weights and SLO): where A's Turn-2 mean TTFT is below B's,
+  its TPOT below B's, both, and its SLO attainment above B's.
+
+Policies beyond the paper's modes (``ppd-live``, ``pull``, the anchors'
+``dynamo-isl``, ``dynamo-load``, ``llmd-threshold``) take part in the
+side-by-side tables only.
 
 Rows with no successful Turn-2 request take part in no TTFT/TPOT contest.
 """
@@ -51,6 +61,8 @@ from ppd_router.bench.metrics import SWEEP_COLUMNS
 from ppd_router.errors import ConfigError, ReportError
 
 MODES = ("Replica", "x=0", "0<x<1", "x=1", "PPD", "hybrid")
+# Policies that are no mode of the paper: compared side by side only.
+OTHER_POLICIES = ("ppd-live", "pull", "dynamo-isl", "dynamo-load", "llmd-threshold")
 BANDS: dict[str, tuple[float, float]] = {"low": (0.5, 2.0), "med": (4.0, 8.0), "high": (12.0, 20.0)}
 CLASSES: dict[str, tuple[str, ...]] = {
     "decode-heavy": ("tiny", "short_gen", "long_gen", "very_long_gen"),
@@ -88,6 +100,9 @@ class Row:
     local_share: Optional[float] = None
     w_tpot: float = 1.0
     source: str = ""
+    # Share of requests that met both SLOs, and the SLOs as a label ("" without).
+    slo_attainment: Optional[float] = None
+    slo: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -142,6 +157,8 @@ def pair_key(config: str) -> str:
 
 
 def mode_of(config: str, policy: str) -> str:
+    if policy in OTHER_POLICIES:
+        return "other"
     r = roles(config)
     decode = r["D"] + r["pD"]
     if policy == "ppd":
@@ -218,6 +235,8 @@ def _json_row(obj: Any, path: Path, source: str) -> Row:
         return _num(d.get(k), k, path)
 
     sr = obj.get("success_rate")
+    slo = meta.get("slo")
+    slo_label = f"TTFT ≤ {slo['ttft_ms']:g} ms, TPOT ≤ {slo['tpot_ms']:g} ms" if isinstance(slo, dict) else ""
     return Row(
         config=canonical(str(config)),
         policy=str(meta.get("policy") or ""),
@@ -236,6 +255,8 @@ def _json_row(obj: Any, path: Path, source: str) -> Row:
         w_tpot=float(meta.get("w_tpot", 1.0)),
         source=source,
         extra={"wall_s": meta.get("wall_s")},
+        slo_attainment=obj.get("slo_attainment") if slo_label else None,
+        slo=slo_label,
     )
 
 
@@ -294,7 +315,7 @@ def table2(rows: Sequence[Row]) -> tuple[dict[str, tuple[float, float, float, fl
     """{mode: (% TTFT wins, % TPOT wins, % throughput wins, average)}, number of combinations."""
     groups: dict[tuple[str, float], list[Row]] = defaultdict(list)
     for r in rows:
-        if r.mode != "PPD":
+        if r.mode not in ("PPD", "other"):
             groups[(r.workload, r.qps)].append(r)
     wins = {m: [0, 0, 0] for m in MODES if m != "PPD"}
     objectives = [(lambda r: r.t2_avg_ttft, min), (lambda r: r.t2_avg_tpot, min), (lambda r: r.tokens_per_sec, max)]
@@ -330,6 +351,79 @@ def table3(rows: Sequence[Row], workload: Optional[str] = None) -> tuple[dict[st
             if r.success_rate >= 1.0 - 1e-9:
                 counts[r.mode][2] += 1
     return {m: (c[0], c[1], c[2]) for m, c in counts.items()}, n
+
+
+def _label(r: Row) -> str:
+    return r.policy or r.mode
+
+
+def policy_summary(rows: Sequence[Row]) -> list[dict[str, Any]]:
+    """Per policy (and SLO): points, mean Turn-2 TTFT / TPOT, mean success rate, mean SLO attainment."""
+    by: dict[tuple[str, str], list[Row]] = defaultdict(list)
+    for r in rows:
+        by[(_label(r), r.slo)].append(r)
+    out = []
+    for (pol, slo), rs in sorted(by.items()):
+        ok = [r for r in rs if r.t2_count > 0]
+        att = [r.slo_attainment for r in rs if r.slo_attainment is not None]
+        out.append(
+            {
+                "policy": pol,
+                "slo": slo,
+                "points": len(rs),
+                "ttft_ms": sum(r.t2_avg_ttft for r in ok) / len(ok) if ok else math.nan,
+                "tpot_ms": sum(r.t2_avg_tpot for r in ok) / len(ok) if ok else math.nan,
+                "success": sum(r.success_rate for r in rs) / len(rs),
+                "slo_attainment": sum(att) / len(att) if att else None,
+            }
+        )
+    return out
+
+
+def pair_wins(rows: Sequence[Row]) -> dict[tuple[str, str], tuple[int, int, int, int, int]]:
+    """{(A, B): (points both ran, A's TTFT lower, A's TPOT lower, both lower, A's SLO attainment higher)}."""
+    points: dict[tuple[str, str, float, float, str], dict[str, Row]] = defaultdict(dict)
+    for r in rows:
+        points[(r.config, r.workload, r.qps, r.w_tpot, r.slo)][_label(r)] = r
+    acc: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])
+    for g in points.values():
+        for a, b in itertools.permutations(sorted(g), 2):
+            ra, rb = g[a], g[b]
+            c = acc[(a, b)]
+            c[0] += 1
+            if ra.t2_count <= 0 or rb.t2_count <= 0:
+                continue
+            ttft = ra.t2_avg_ttft < rb.t2_avg_ttft
+            tpot = ra.t2_avg_tpot < rb.t2_avg_tpot
+            c[1] += ttft
+            c[2] += tpot
+            c[3] += ttft and tpot
+            if ra.slo_attainment is not None and rb.slo_attainment is not None:
+                c[4] += ra.slo_attainment > rb.slo_attainment
+    return {k: (v[0], v[1], v[2], v[3], v[4]) for k, v in sorted(acc.items())}
+
+
+def md_policies(rows: Sequence[Row]) -> str:
+    lines = [
+        "| policy | SLO | points | Turn-2 TTFT ms | Turn-2 TPOT ms | success | SLO attainment |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for p in policy_summary(rows):
+        att = "–" if p["slo_attainment"] is None else f"{100 * p['slo_attainment']:.1f} %"
+        lines.append(
+            f"| {p['policy']} | {p['slo'] or '–'} | {p['points']} | {p['ttft_ms']:.1f} | {p['tpot_ms']:.2f} "
+            f"| {100 * p['success']:.1f} % | {att} |"
+        )
+    lines += [
+        "",
+        "Wins of A over B, over the points both ran: lower Turn-2 TTFT / lower TPOT / both / higher SLO attainment.",
+        "",
+        "| A | B | points | TTFT | TPOT | both | SLO |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for (a, b), (n, ttft, tpot, both, slo) in pair_wins(rows).items():
+        lines.append(f"| {a} | {b} | {n} | {ttft} | {tpot} | {both} | {slo} |")
+    return "\n".join(lines)
 
 
 # --- markdown -----------------------------------------------------------------
@@ -587,6 +681,9 @@ def build_report(inputs: Sequence[Path], out_dir: Path, paper_sweep: Optional[Pa
         if n3:
             parts.append(f"## Table 3: per-metric wins, {wl}\n")
             parts.append(md_table3(t3, n3) + "\n")
+    if len({_label(r) for r in main_rows}) > 1:
+        parts.append("## Policies side by side\n")
+        parts.append(md_policies(main_rows) + "\n")
     if paper_sweep is not None:
         prow = load_rows(paper_sweep, "paper-sweep")
         parts.append(f"## The same tables from the measured {paper_sweep.name}\n")

@@ -14,6 +14,8 @@ from ppd_router.report import (
     load_rows,
     mode_of,
     pair_key,
+    pair_wins,
+    policy_summary,
     table1,
     table2,
     table3,
@@ -130,3 +132,37 @@ def test_unknown_configuration_label_is_named_in_the_error(tmp_path, capsys):
     path = _csv(tmp_path / "g.csv", [("live", "small_tiny", 2, 50, 12, 900)])
     assert main(["report", str(path), "--out-dir", str(tmp_path / "o"), "--no-plots"]) == 2
     assert "unknown configuration 'live'" in capsys.readouterr().err
+
+
+def test_policies_side_by_side_with_slo_attainment_and_pairwise_wins(tmp_path):
+    slo = {"ttft_ms": 150.0, "tpot_ms": 15.0}
+
+    def res(policy: str, q: float, ttft: float, tpot: float, att: float) -> dict:
+        r = _result("3P1pD", policy, q, ttft, tpot, 1.0)
+        r["meta"]["slo"] = slo
+        r["slo_attainment"] = att
+        return r
+
+    pts = [
+        res("local", 8, 90, 14.3, 0.50), res("pd", 8, 180, 13.4, 0.42), res("ppd-live", 8, 120, 13.6, 0.80),
+        res("local", 16, 96, 15.6, 0.21), res("pd", 16, 183, 14.5, 0.18), res("ppd-live", 16, 130, 14.7, 0.34),
+    ]
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n".join(json.dumps(p) for p in pts) + "\n")
+    rows = load_rows(path)
+    assert {r.mode for r in rows if r.policy == "ppd-live"} == {"other"}
+    summary = {p["policy"]: p for p in policy_summary(rows)}
+    assert summary["ppd-live"]["slo_attainment"] == pytest.approx(0.57)
+    assert summary["pd"]["ttft_ms"] == pytest.approx(181.5)
+    wins = pair_wins(rows)
+    # points, lower TTFT, lower TPOT, both, higher SLO attainment
+    assert wins[("ppd-live", "local")] == (2, 0, 2, 0, 2)
+    assert wins[("ppd-live", "pd")] == (2, 2, 0, 0, 2)
+    assert wins[("local", "pd")] == (2, 2, 0, 0, 2)
+    # ppd-live is no mode of the paper's tables: Table 2 ignores it.
+    t2, n = table2(rows)
+    assert n == 2 and "other" not in t2
+    text = main(["report", str(path), "--out-dir", str(tmp_path / "out"), "--no-plots"])
+    assert text == 0
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "## Policies side by side" in md and "| ppd-live | local | 2 | 0 | 2 | 0 | 2 |" in md
