@@ -195,8 +195,9 @@ fn live_view(
     };
     let dl = d.load_snapshot(now, stale);
     LiveView {
-        d: node_view(d, now, stale, budget),
-        p: p.as_deref().map(|p| node_view(p, now, stale, budget)),
+        d: node_view(d, &dl, budget),
+        p: p.as_deref()
+            .map(|p| node_view(p, &p.load_snapshot(now, stale), budget)),
         d_cached,
         p_cached,
         mean_out_tokens: dl.mean_out_harmonic().unwrap_or(f64::from(input.n_out)),
@@ -208,8 +209,7 @@ fn live_view(
 /// prompt work still queued is the router's in-flight prompt tokens on a P
 /// (its requests end with their prefill), and on a decoding node their
 /// share of the requests the node reports waiting.
-fn node_view(n: &Node, now: u64, stale: u64, token_budget: u32) -> NodeView {
-    let l = n.load_snapshot(now, stale);
+fn node_view(n: &Node, l: &crate::load::LoadSnapshot, token_budget: u32) -> NodeView {
     let ours = l.inflight.max(1);
     let (running, waiting) = match l.scraped {
         Some(s) => (s.running.max(0.0) as u32, s.waiting.max(0.0) as u32),
