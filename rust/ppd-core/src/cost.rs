@@ -19,8 +19,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use ahash::AHashMap;
 use parking_lot::RwLock;
 
+use crate::path::Path;
 use crate::profile::{BatchShape, Profile};
-use crate::route::Path;
 
 /// One node as the decision sees it: the router's own accounting and the
 /// node's last scrape, read as a snapshot.

@@ -18,6 +18,7 @@ pub mod grid;
 pub mod identity;
 pub mod kv_events;
 pub mod layout;
+pub mod path;
 pub mod policy;
 pub mod profile;
 pub mod profiles;

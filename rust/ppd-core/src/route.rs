@@ -6,6 +6,7 @@
 use crate::cost::{Forecast, LiveView};
 use crate::error::Error;
 use crate::grid::GridPoint;
+pub use crate::path::Path;
 
 /// Operator weights of Equation 1.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -33,32 +34,6 @@ impl Weights {
             }
         }
         Ok(Weights { w_ttft, w_tpot })
-    }
-}
-
-/// Where a request goes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Path {
-    /// P prefills the whole prompt, its KV moves to D, D decodes (x = 0).
-    Pd,
-    /// The session's pD append-prefills only the new tokens (x = 1).
-    Local,
-    /// A replica prefills and decodes.
-    Replica,
-    /// P reads the conversation's KV back from the session's D (vLLM NIXL
-    /// bidirectional transfer), prefills only the new tokens, and D decodes.
-    Pull,
-}
-
-impl Path {
-    pub const ALL: [Path; 4] = [Path::Pd, Path::Local, Path::Replica, Path::Pull];
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Path::Pd => "pd",
-            Path::Local => "local",
-            Path::Replica => "replica",
-            Path::Pull => "pull",
-        }
     }
 }
 
