@@ -350,6 +350,19 @@ NOTES = """- The measured Turn-1 TTFT grows to tens of seconds at high QPS even 
   rows worse. The pD-only 1P_3pD and 3P_1pD are also 18–72 % low at QPS ≥ 12,
   where Turn 2 never touches the link; the model has no cause for that (the measured PPD
   proxy is one suspect).
+- A cause found for the pD rows' Turn-2 tail (2026-12-05), modelled but off: the measured
+  proxy (`comprehensive_proxy.py` in the paper's repository) keys a conversation by the
+  prompt's first `User:`…`Assistant:` span, else its first 200 characters, and the client
+  renders each turn's new input as `User:`, `Question:` or `<|user|>` at random, so 2/9 of
+  Turn 2s (Turn 1 not `User:`, Turn 2 `User:`) got a new key and went through P as a new
+  conversation's Turn 1, even on pD. `harness.new_conversation_share = 0.222` reproduces the
+  measured Turn-2 TTFT p99/p50 of 1P_3pD/2P_2pD/3P_1pD at QPS 1–8 (2.2–3.3 measured,
+  2.4–2.8 simulated, ~1.0 without it), but its averages at QPS ≤ 4 come out 20–50 % high
+  and a 2-round refit (`fit --rounds 2 --qps all`) with it met the target on 5 of 10
+  (1P_3D 17.4 %, 1P_3pD 17.6 %, 3P_1pD 16.4 %, 1P_1D_2pD 20.9 %, 1P_2D_1pD 15.1 % T2 TTFT):
+  the fitted local-path constants had absorbed that tail, and the short low-QPS runs
+  (5–20 conversations) hold too few rekeyed turns to pin it. The profile keeps it at 0.
+  The proxy also picks P and D by Python's `hash()` (random per process), not round robin.
 - Tried and not kept: a FIFO sending thread per P that does not block P's steps
   (8 of 10 at best, but vLLM's P2pNccl does block the forward on its sends), a per-request
   receive cost in D's step (worse), a per-token push cost (worse).

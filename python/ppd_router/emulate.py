@@ -76,7 +76,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--profile",
         help="engine profile: built-in name (h100-llama3.1-8b, as measured with P2pNccl; "
-        "h100-llama3.1-8b-nixl) or TOML path",
+        "h100-llama3.1-8b-nixl; h200-llama3.1-8b, device-measured steps) or TOML path",
     )
     p.add_argument("--kv-link-gbps", type=float, help="KV link bandwidth in GB/s (profile default)")
     p.add_argument("--max-num-seqs", type=int, help="running batch limit (profile default 256)")

@@ -22,7 +22,7 @@ _SCALARS: dict[str, tuple[type, str]] = {
     "emulator_profile": (
         str,
         "emulator profile (with --emulated): h100-llama3.1-8b (default, as measured with P2pNccl), "
-        "h100-llama3.1-8b-nixl, or a TOML path",
+        "h100-llama3.1-8b-nixl, h200-llama3.1-8b (device-measured steps), or a TOML path",
     ),
     "policy": (str, "ppd | pd | local | fraction:X | replica (default ppd)"),
     "table": (str, "lookup table path or builtin:h100-1P3pD|h100-2P2pD|h100-3P1pD (default: by P:D ratio)"),

@@ -133,6 +133,15 @@ pub struct Harness {
     /// answer (true with the emulator's tokenizer; the measured client's did not).
     #[serde(default = "yes")]
     pub answer_prefix_hit: bool,
+    /// Share of Turn 2+ requests that the measured proxy took for new conversations
+    /// (0–1). It keys a conversation by the prompt's first `User:`…`Assistant:` span,
+    /// or by its first 200 characters when there is none, and the client renders each
+    /// turn's new input in one of three formats at random (`User:`, `Question:`,
+    /// `<|user|>`): a Turn 2 whose Turn 1 was not a `User:` prompt (2 of 3) but whose
+    /// new input is (1 of 3) gets a new key. Such a turn is routed like a Turn 1: a
+    /// full prefill on P and a push to a D chosen afresh, even on a pD deployment.
+    #[serde(default)]
+    pub new_conversation_share: f64,
 }
 
 fn yes() -> bool {
@@ -144,6 +153,7 @@ impl Default for Harness {
         Harness {
             max_conversations: 0,
             answer_prefix_hit: true,
+            new_conversation_share: 0.0,
         }
     }
 }
@@ -223,6 +233,10 @@ impl Profile {
         }
         if self.kv_bytes_per_token == 0 {
             return Err(bad("kv_bytes_per_token", 0.0));
+        }
+        let share = self.harness.new_conversation_share;
+        if !(0.0..=1.0).contains(&share) {
+            return Err(bad("harness.new_conversation_share", share));
         }
         Ok(())
     }

@@ -428,9 +428,25 @@ impl<'a> Sim<'a> {
         let n_ctx = c.context;
         let (n_in, n_out) = self.specs[c.spec as usize][turn as usize - 1];
         let prompt = n_ctx + n_in;
-        let mut input = DecisionInput::turn(turn, n_in, n_out, n_ctx, self.qps.rate(t as u64));
-        input.conv_hash = c.key;
-        input.has_session = turn > 1;
+        // The measured proxy lost some conversations' key at Turn 2 (see
+        // `Harness::new_conversation_share`): it routed them as a new conversation's
+        // Turn 1, to nodes chosen afresh, with the whole prompt prefilled on P.
+        let rekeyed = turn > 1 && {
+            let draw = mix64(c.key ^ mix64(u64::from(turn) ^ 0xC0_4E55));
+            ((draw >> 11) as f64 / (1u64 << 53) as f64) < self.p.harness.new_conversation_share
+        };
+        if rekeyed {
+            c.d = None;
+            c.on_replica = false;
+        }
+        let seen_turn = if rekeyed { 1 } else { turn };
+        let mut input = DecisionInput::turn(seen_turn, n_in, n_out, n_ctx, self.qps.rate(t as u64));
+        input.conv_hash = if rekeyed {
+            mix64(c.key ^ u64::from(turn))
+        } else {
+            c.key
+        };
+        input.has_session = seen_turn > 1;
         input.session_on_replica = c.on_replica;
         input.d_local_capable = c.d.is_some_and(|d| self.roles[d].local_capable());
         input.replica_share = self.replica_share;

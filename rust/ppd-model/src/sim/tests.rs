@@ -324,3 +324,32 @@ fn slo_mode_reports_the_share_that_met_both_objectives() {
         0.0
     );
 }
+
+#[test]
+fn a_turn2_the_proxy_rekeyed_goes_through_p_even_on_a_pd() {
+    let mut p = profile();
+    let c = SimConfig::new("1P_3pD", "local", "large_tiny", 2.0);
+    let kept = simulate(&c, &p, None).unwrap();
+    p.harness.new_conversation_share = 1.0;
+    let rekeyed = simulate(&c, &p, None).unwrap();
+    assert_eq!(kept.local_share, 1.0);
+    assert_eq!(
+        rekeyed.local_share, 0.0,
+        "every Turn 2 was a new conversation"
+    );
+    // A full prefill of the whole history on P plus the push, instead of an append on pD.
+    assert!(
+        rekeyed.turn2plus.avg_ttft_ms > kept.turn2plus.avg_ttft_ms,
+        "{} vs {}",
+        rekeyed.turn2plus.avg_ttft_ms,
+        kept.turn2plus.avg_ttft_ms
+    );
+}
+
+#[test]
+fn a_new_conversation_share_outside_0_1_is_refused() {
+    let mut p = profile();
+    p.harness.new_conversation_share = 1.5;
+    let c = SimConfig::new("1P_3pD", "local", "small_tiny", 1.0);
+    assert!(simulate(&c, &p, None).is_err());
+}
