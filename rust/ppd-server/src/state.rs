@@ -220,13 +220,32 @@ impl AppState {
     }
 }
 
-fn http_client(cfg: &RouterConfig) -> reqwest::Result<reqwest::Client> {
-    reqwest::Client::builder()
+/// The client of every node call. With `upstream_api_key` it sends
+/// `Authorization: Bearer <key>` on each call (completions, health checks,
+/// `/metrics` scrapes, `/v1/models`); `https://` nodes are reached over rustls
+/// with the public web roots and, with `upstream_ca_file`, its CAs.
+pub(crate) fn http_client(cfg: &RouterConfig) -> Result<reqwest::Client, String> {
+    let mut b = reqwest::Client::builder()
         .connect_timeout(Duration::from_secs_f64(cfg.connect_timeout))
         .pool_idle_timeout(Duration::from_secs(90))
         .pool_max_idle_per_host(1024)
-        .tcp_nodelay(true)
-        .build()
+        .tcp_nodelay(true);
+    if let Some(key) = cfg.upstream_secret.get() {
+        let mut v = axum::http::HeaderValue::from_str(&format!("Bearer {key}"))
+            .map_err(|_| "invalid setting `upstream_api_key`: not a header value".to_owned())?;
+        v.set_sensitive(true);
+        let mut h = reqwest::header::HeaderMap::new();
+        h.insert(reqwest::header::AUTHORIZATION, v);
+        b = b.default_headers(h);
+    }
+    if let Some(path) = &cfg.upstream_ca_file {
+        for cert in config::read_ca_file(path)
+            .map_err(|e| format!("invalid setting `upstream_ca_file`: {e}"))?
+        {
+            b = b.add_root_certificate(cert);
+        }
+    }
+    b.build().map_err(|e| e.to_string())
 }
 
 /// The renderer of exact residency, from `prompt_renderer` and `tokenizer`.
