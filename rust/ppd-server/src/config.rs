@@ -1115,6 +1115,115 @@ mod tests {
     }
 
     #[test]
+    fn node_urls_the_client_cannot_use_are_refused_naming_their_setting() {
+        let cases: Vec<(&str, Mutation)> = vec![
+            (
+                "prefill",
+                Box::new(|c| c.prefill = vec!["ftp://h:1".into()]),
+            ),
+            ("decode", Box::new(|c| c.decode = vec!["https://".into()])),
+            (
+                "pd_capable",
+                Box::new(|c| c.pd_capable = vec!["http://h:99999".into()]),
+            ),
+            (
+                "replica",
+                Box::new(|c| c.replica = vec!["http://[::1:8000".into()]),
+            ),
+            (
+                "replica",
+                Box::new(|c| c.replica = vec!["http://h:1/?x=1".into()]),
+            ),
+        ];
+        each_names_its_field(cases);
+        // https nodes are taken.
+        let c = RouterConfig {
+            prefill: vec!["https://p.example:8443".into()],
+            pd_capable: vec!["https://10.0.0.2:8443/".into()],
+            ..RouterConfig::default()
+        };
+        let s = c.validate().unwrap();
+        assert_eq!(s.nodes()[1].1.url, "https://10.0.0.2:8443");
+    }
+
+    #[test]
+    fn api_keys_come_from_the_setting_the_file_or_the_environment_and_are_never_printed() {
+        let dir = std::env::temp_dir().join(format!("ppd-keys-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("key");
+        std::fs::write(&file, "from-file\n").unwrap();
+        let resolve = |v: Option<&str>, f: Option<&str>, env: Option<&str>| {
+            resolve_secret(
+                ("upstream_api_key", &v.map(str::to_owned)),
+                ("upstream_api_key_file", &f.map(str::to_owned)),
+                UPSTREAM_API_KEY_ENV,
+                env.map(str::to_owned),
+            )
+            .map(|s| s.get().map(str::to_owned))
+        };
+        let path = file.display().to_string();
+        assert_eq!(resolve(None, None, None).unwrap(), None);
+        assert_eq!(
+            resolve(None, None, Some("e")).unwrap().as_deref(),
+            Some("e")
+        );
+        assert_eq!(
+            resolve(Some("s"), None, Some("e")).unwrap().as_deref(),
+            Some("s")
+        );
+        assert_eq!(
+            resolve(None, Some(&path), Some("e")).unwrap().as_deref(),
+            Some("from-file")
+        );
+        assert_eq!(
+            resolve(Some("s"), Some(&path), None).unwrap_err().field,
+            "upstream_api_key_file"
+        );
+        let e = resolve(None, None, Some("two words")).unwrap_err();
+        assert_eq!(e.field, "upstream_api_key");
+        assert!(e.message.contains("PPD_UPSTREAM_API_KEY"), "{e}");
+        for (field, mutate) in [
+            (
+                "api_key",
+                Box::new(|c: &mut RouterConfig| c.api_key = Some(" ".into())) as Mutation,
+            ),
+            (
+                "api_key_file",
+                Box::new(|c: &mut RouterConfig| c.api_key_file = Some("/nonexistent/k".into())),
+            ),
+            (
+                "upstream_api_key",
+                Box::new(|c: &mut RouterConfig| c.upstream_api_key = Some("a\tb".into())),
+            ),
+        ] {
+            let mut c = RouterConfig::default();
+            mutate(&mut c);
+            assert_eq!(c.validate().unwrap_err().field, field);
+        }
+        // In force after validation; printed as "<set>", never as the value.
+        let c = RouterConfig {
+            api_key: Some("client-secret".into()),
+            upstream_api_key_file: Some(path),
+            ..RouterConfig::default()
+        };
+        let s = c.validate().unwrap();
+        assert_eq!(s.config().client_secret.get(), Some("client-secret"));
+        assert_eq!(s.config().upstream_secret.get(), Some("from-file"));
+        let shown = serde_json::to_value(s.config()).unwrap();
+        assert_eq!(shown["api_key"], "<set>");
+        assert!(shown["upstream_api_key"].is_null());
+        // The value in force is in no Debug either (the raw setting is, like admin_token's).
+        let mut cleared = s.config().clone();
+        cleared.api_key = None;
+        let text = format!("{shown} {cleared:?}");
+        assert!(
+            !text.contains("client-secret") && !text.contains("from-file"),
+            "{text}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn the_admin_token_comes_from_the_setting_the_file_or_the_environment() {
         let dir = std::env::temp_dir().join(format!("ppd-token-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
