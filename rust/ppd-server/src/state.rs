@@ -272,6 +272,9 @@ mod tests {
     /// certificate for `localhost`: answers 200 and sends back the
     /// `Authorization` line it got (or `none`). Returns its port and the
     /// certificate's PEM.
+    // ring, the provider reqwest's rustls uses here (rustls deprecates it
+    // for lacking post-quantum key exchange, irrelevant to a test node).
+    #[allow(deprecated)]
     async fn tls_node() -> (u16, String) {
         let key = rcgen::KeyPair::generate().unwrap();
         let cert = rcgen::CertificateParams::new(vec!["localhost".to_owned()])
