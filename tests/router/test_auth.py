@@ -84,7 +84,7 @@ def test_without_keys_the_clients_authorization_is_passed_on(keyed):
 
 def test_the_routers_api_key_guards_v1_and_is_never_passed_on(keyed):
     c = keyed({"R": 1}, policy="replica", api_key="router-key", upstream_api_key=NODE_KEY)
-    for headers in [{}, bearer("wrong"), {"authorization": "router-key"}, bearer("router-key ")]:
+    for headers in [{}, bearer("wrong"), {"authorization": "router-key"}, {"authorization": "bearer router-key"}]:
         r = c.chat([user("hi")], headers=headers)
         assert r.status_code == 401, headers
         assert r.json()["error"]["type"] == "authentication_error"
