@@ -291,6 +291,7 @@ def run_emulator(
     fault_hang: bool = False,
     kv_events_endpoint: Optional[str] = None,
     kv_connector_extra_config: Optional[str] = None,
+    api_key: Optional[str] = None,
 ) -> None:
     """Runs one emulator node until SIGINT/SIGTERM (returns None) or a failure (raises)."""
 

@@ -52,6 +52,7 @@ def _run(args: argparse.Namespace) -> int:
         fault_hang=args.fault_hang,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_connector_extra_config=args.kv_connector_extra_config,
+        api_key=args.api_key,
     )
     return 0
 
@@ -96,5 +97,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="JSON",
         help="vLLM's NIXL kv_connector_extra_config; bidirectional_kv_xfer, decoder_kv_blocks_ttl and "
         "kv_recompute_threshold are emulated (a D pins turns, a P reads them back: the pull path)",
+    )
+    p.add_argument(
+        "--api-key",
+        help="like vLLM's --api-key: requests on /v1/* need Authorization: Bearer KEY (401 otherwise); "
+        "/health and /metrics stay open (one node; not with --layout)",
     )
     p.set_defaults(func=_run)

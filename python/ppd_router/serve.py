@@ -44,6 +44,19 @@ _SCALARS: dict[str, tuple[type, str]] = {
         "--admin-token-file or the PPD_ADMIN_TOKEN environment variable",
     ),
     "admin_token_file": (str, "file holding the admin bearer token (one trailing newline stripped)"),
+    "api_key": (
+        str,
+        "bearer token clients must send on /v1/* (401 otherwise; /health and /metrics stay open); never passed "
+        "on to the nodes; prefer --api-key-file or the PPD_API_KEY environment variable",
+    ),
+    "api_key_file": (str, "file holding --api-key (one trailing newline stripped)"),
+    "upstream_api_key": (
+        str,
+        "bearer token sent to every node on every call (the nodes' vLLM --api-key); without it and without "
+        "--api-key a client's Authorization is passed on; prefer --upstream-api-key-file or PPD_UPSTREAM_API_KEY",
+    ),
+    "upstream_api_key_file": (str, "file holding --upstream-api-key (one trailing newline stripped)"),
+    "upstream_ca_file": (str, "PEM CA certificates trusted for https:// nodes, besides the public web roots"),
     "admin_port": (int, "serve /admin/* and /metrics on this port only (the main port answers them 404)"),
     "admin_host": (str, "address of the admin listener (default: --host; needs --admin-port)"),
     "session_ttl": (float, "session idle TTL in seconds (default 3600)"),

@@ -43,6 +43,7 @@ pub struct AppState {
     metrics: Mutex<Metrics>,
     faults: Mutex<Faults>,
     crash: Arc<Notify>,
+    api_key: Option<String>,
     stopping: Notify,
     shutting_down: AtomicBool,
     crashed: AtomicBool,
@@ -104,6 +105,7 @@ impl AppState {
                 .unwrap_or_default(),
             created: unix_now(),
             bidirectional: cfg.bidirectional,
+            api_key: cfg.api_key.clone(),
             timings: Mutex::new(std::collections::VecDeque::new()),
         })
     }
@@ -186,7 +188,36 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/internal/kv/pull", post(kv_pull))
         .fallback(not_found)
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
+        .layer(axum::middleware::from_fn_with_state(
+            Arc::clone(&state),
+            api_key_check,
+        ))
         .with_state(state)
+}
+
+/// vLLM's `--api-key` check (its `authentication` middleware): only paths
+/// under `/v1`, and not OPTIONS, need `Authorization: Bearer <key>` exactly.
+async fn api_key_check(
+    State(st): State<Arc<AppState>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if let Some(key) = &st.api_key {
+        let guarded =
+            req.method() != axum::http::Method::OPTIONS && req.uri().path().starts_with("/v1");
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .map(HeaderValue::as_bytes);
+        if guarded && given != Some(format!("Bearer {key}").as_bytes()) {
+            return (
+                StatusCode::UNAUTHORIZED,
+                axum::Json(json!({"error": "Unauthorized"})),
+            )
+                .into_response();
+        }
+    }
+    next.run(req).await
 }
 
 /// vLLM's error body: `{"error": {"message", "type", "param", "code"}}`.

@@ -73,6 +73,10 @@ pub struct NodeConfig {
     pub kv_events: Option<KvEventsConfig>,
     /// vLLM's NIXL bidirectional transfer (None: off).
     pub bidirectional: Option<Bidirectional>,
+    /// vLLM's `--api-key`: requests on paths under `/v1` must carry
+    /// `Authorization: Bearer <key>` (else 401 `{"error": "Unauthorized"}`);
+    /// `/health`, `/metrics` and the rest stay open, as in vLLM.
+    pub api_key: Option<String>,
 }
 
 /// vLLM's NIXL `kv_connector_extra_config` for bidirectional transfer: a D
@@ -148,6 +152,7 @@ impl NodeConfig {
             faults: Faults::default(),
             kv_events: None,
             bidirectional: None,
+            api_key: None,
         }
     }
 

@@ -35,10 +35,12 @@ fn node_config(
     fault_hang: bool,
     kv_events_endpoint: Option<&str>,
     kv_connector_extra_config: Option<&str>,
+    api_key: Option<&str>,
 ) -> PyResult<NodeConfig> {
     let mut cfg = NodeConfig::new(Role::parse(role).map_err(cfg_err)?);
     cfg.host = host.to_owned();
     cfg.port = port;
+    cfg.api_key = api_key.map(str::to_owned);
     if let Some(p) = profile {
         cfg.profile = ppd_model::load_profile(p).map_err(cfg_err)?;
     }
@@ -80,7 +82,7 @@ fn node_config(
 #[pyo3(signature = (role = "R", port = 8000, *, host = "127.0.0.1", profile = None, kv_link_gbps = None,
     max_num_seqs = None, max_num_batched_tokens = None, kv_blocks = None, seed = 0, served_model_name = None,
     fault_latency_ms = 0.0, fault_error_rate = 0.0, fault_hang = false, kv_events_endpoint = None,
-    kv_connector_extra_config = None))]
+    kv_connector_extra_config = None, api_key = None))]
 #[allow(clippy::too_many_arguments)]
 fn run_emulator(
     py: Python<'_>,
@@ -99,6 +101,7 @@ fn run_emulator(
     fault_hang: bool,
     kv_events_endpoint: Option<&str>,
     kv_connector_extra_config: Option<&str>,
+    api_key: Option<&str>,
 ) -> PyResult<()> {
     let cfg = node_config(
         role,
@@ -116,6 +119,7 @@ fn run_emulator(
         fault_hang,
         kv_events_endpoint,
         kv_connector_extra_config,
+        api_key,
     )?;
     py.detach(|| ppd_emulator::run_blocking(cfg, ppd_server::shutdown_signal()))
         .map_err(errors::run)
@@ -202,6 +206,7 @@ fn start_emulated_cluster(
         false,
         None,
         kv_connector_extra_config,
+        None,
     )?;
     let c = py
         .detach(|| ClusterThread::start(&roles, &base))

@@ -11,7 +11,6 @@ use serde_json::json;
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use subtle::ConstantTimeEq;
 
 use ppd_core::builtin::load_table;
 use ppd_core::{PolicyKind, Role, Weights};
@@ -49,10 +48,7 @@ fn refusal(st: &AppState, headers: &HeaderMap) -> Option<Response> {
             "admin_disabled",
         ));
     };
-    let given = headers
-        .get("authorization")
-        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "));
-    if !given.is_some_and(|g| bool::from(g.ct_eq(token.as_bytes()))) {
+    if !crate::auth::bearer_matches(headers, token) {
         return Some(openai_error(
             StatusCode::UNAUTHORIZED,
             "missing or wrong admin bearer token",

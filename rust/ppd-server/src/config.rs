@@ -105,6 +105,24 @@ pub struct RouterConfig {
     pub kv_protocol: KvProtocol,
     /// Bearer token of the admin API; without it the admin API refuses every call.
     pub admin_token: Option<String>,
+    /// Bearer token clients must send on `/v1/*` (`Authorization: Bearer
+    /// …`); unset: the OpenAI endpoints are open. `/health` and `/metrics`
+    /// stay open either way. Shown as `"<set>"` when printed.
+    #[serde(serialize_with = "redacted")]
+    pub api_key: Option<String>,
+    /// A file whose content is `api_key` (one trailing newline stripped);
+    /// instead of `api_key`, never both.
+    pub api_key_file: Option<String>,
+    /// Bearer token sent to every node on every call (completions, health
+    /// checks, `/metrics` scrapes, `/v1/models`): the nodes' vLLM `--api-key`.
+    /// Shown as `"<set>"` when printed.
+    #[serde(serialize_with = "redacted")]
+    pub upstream_api_key: Option<String>,
+    /// A file whose content is `upstream_api_key`; instead of it, never both.
+    pub upstream_api_key_file: Option<String>,
+    /// PEM file of CA certificates trusted for `https://` nodes, besides the
+    /// public web roots (a private CA or a self-signed node certificate).
+    pub upstream_ca_file: Option<String>,
     /// Session idle TTL, seconds.
     pub session_ttl: f64,
     pub session_capacity: usize,
@@ -224,17 +242,45 @@ pub struct RouterConfig {
     /// environment variable [`ADMIN_TOKEN_ENV`]. Never serialized, never printed.
     #[serde(skip)]
     pub admin_secret: AdminSecret,
+    /// The client API key in force: `api_key`, else `api_key_file`'s content,
+    /// else [`API_KEY_ENV`]. Never serialized, never printed.
+    #[serde(skip)]
+    pub client_secret: Secret,
+    /// The upstream API key in force: `upstream_api_key`, else
+    /// `upstream_api_key_file`'s content, else [`UPSTREAM_API_KEY_ENV`].
+    /// Never serialized, never printed.
+    #[serde(skip)]
+    pub upstream_secret: Secret,
 }
+
+/// A secret setting as printed: `"<set>"` or null, never its value.
+fn redacted<S: serde::Serializer>(v: &Option<String>, s: S) -> Result<S::Ok, S::Error> {
+    match v {
+        Some(_) => s.serialize_str("<set>"),
+        None => s.serialize_none(),
+    }
+}
+
+/// The environment variable read for the client API key when neither
+/// `api_key` nor `api_key_file` is set.
+pub const API_KEY_ENV: &str = "PPD_API_KEY";
+
+/// The environment variable read for the upstream API key when neither
+/// `upstream_api_key` nor `upstream_api_key_file` is set.
+pub const UPSTREAM_API_KEY_ENV: &str = "PPD_UPSTREAM_API_KEY";
 
 /// The environment variable read for the admin token when neither
 /// `admin_token` nor `admin_token_file` is set.
 pub const ADMIN_TOKEN_ENV: &str = "PPD_ADMIN_TOKEN";
 
-/// The admin bearer token in force; its `Debug` never shows it.
+/// A bearer token in force (admin, client or upstream); its `Debug` never shows it.
 #[derive(Clone, Default, PartialEq, Eq)]
-pub struct AdminSecret(Option<String>);
+pub struct Secret(Option<String>);
 
-impl AdminSecret {
+/// The admin token in force.
+pub type AdminSecret = Secret;
+
+impl Secret {
     pub fn get(&self) -> Option<&str> {
         self.0.as_deref()
     }
@@ -243,9 +289,9 @@ impl AdminSecret {
 impl fmt::Debug for AdminSecret {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(if self.0.is_some() {
-            "AdminSecret(set)"
+            "Secret(set)"
         } else {
-            "AdminSecret(none)"
+            "Secret(none)"
         })
     }
 }
@@ -317,6 +363,13 @@ impl Default for RouterConfig {
             admin_host: None,
             admin_token_file: None,
             admin_secret: AdminSecret::default(),
+            api_key: None,
+            api_key_file: None,
+            upstream_api_key: None,
+            upstream_api_key_file: None,
+            upstream_ca_file: None,
+            client_secret: Secret::default(),
+            upstream_secret: Secret::default(),
         }
     }
 }
@@ -430,6 +483,26 @@ pub fn parse_node(field: &str, s: &str) -> Result<NodeSpec, ConfigError> {
         })?;
     if rest.is_empty() || rest.starts_with(':') || rest.contains(char::is_whitespace) {
         return Err(bad(field, format!("{s:?}: node URL has no host")));
+    }
+    // What the HTTP client will be given: a URL it cannot use is refused now,
+    // not at the first request.
+    match reqwest::Url::parse(url) {
+        Err(e) => {
+            return Err(bad(
+                field,
+                format!("{s:?}: not a URL the router can use: {e}"),
+            ))
+        }
+        Ok(u) if u.query().is_some() || u.fragment().is_some() => {
+            return Err(bad(
+                field,
+                format!("{s:?}: a node URL has no query or fragment"),
+            ))
+        }
+        Ok(u) if u.host_str().is_none_or(str::is_empty) => {
+            return Err(bad(field, format!("{s:?}: node URL has no host")))
+        }
+        Ok(_) => {}
     }
     Ok(NodeSpec {
         url: url.to_owned(),
@@ -610,6 +683,21 @@ impl RouterConfig {
             check_filter(filter).map_err(|e| bad("log", e))?;
         }
         self.admin_secret = self.resolve_admin_token(std::env::var(ADMIN_TOKEN_ENV).ok())?;
+        self.client_secret = resolve_secret(
+            ("api_key", &self.api_key),
+            ("api_key_file", &self.api_key_file),
+            API_KEY_ENV,
+            std::env::var(API_KEY_ENV).ok(),
+        )?;
+        self.upstream_secret = resolve_secret(
+            ("upstream_api_key", &self.upstream_api_key),
+            ("upstream_api_key_file", &self.upstream_api_key_file),
+            UPSTREAM_API_KEY_ENV,
+            std::env::var(UPSTREAM_API_KEY_ENV).ok(),
+        )?;
+        if let Some(path) = &self.upstream_ca_file {
+            read_ca_file(path).map_err(|e| bad("upstream_ca_file", e))?;
+        }
         let mut static_nodes = Vec::new();
         for role in Role::ALL {
             for url in self.nodes_of(role) {
@@ -735,43 +823,72 @@ impl RouterConfig {
     /// `admin_token_file` (one trailing newline stripped, nothing else), else
     /// `env` (the value of [`ADMIN_TOKEN_ENV`]; empty counts as unset).
     fn resolve_admin_token(&self, env: Option<String>) -> Result<AdminSecret, ConfigError> {
-        // (the setting a bad token is reported under, where it came from, the token)
-        let (field, from, token) = match (&self.admin_token, &self.admin_token_file) {
-            (Some(_), Some(_)) => {
-                return Err(bad(
-                    "admin_token_file",
-                    "give admin_token or admin_token_file, not both",
-                ))
-            }
-            (Some(t), None) => ("admin_token", String::new(), t.clone()),
-            (None, Some(path)) => {
-                let mut t = std::fs::read_to_string(path)
-                    .map_err(|e| bad("admin_token_file", format!("cannot read {path}: {e}")))?;
-                if t.ends_with('\n') {
-                    t.pop();
-                    if t.ends_with('\r') {
-                        t.pop();
-                    }
-                }
-                ("admin_token_file", format!(" (the content of {path})"), t)
-            }
-            (None, None) => match env.filter(|t| !t.is_empty()) {
-                Some(t) => ("admin_token", format!(" (from {ADMIN_TOKEN_ENV})"), t),
-                None => return Ok(AdminSecret(None)),
-            },
-        };
-        if token.trim().is_empty() {
-            return Err(bad(field, format!("must not be empty when given{from}")));
-        }
-        // A bearer token travels in a header value: visible ASCII, no spaces.
-        if !token.bytes().all(|b| b.is_ascii_graphic()) {
-            return Err(bad(
-                field,
-                format!("must be visible ASCII without spaces or control characters{from}"),
-            ));
-        }
-        Ok(AdminSecret(Some(token)))
+        resolve_secret(
+            ("admin_token", &self.admin_token),
+            ("admin_token_file", &self.admin_token_file),
+            ADMIN_TOKEN_ENV,
+            env,
+        )
     }
+}
+
+/// A bearer token in force: the setting, else the content of its file
+/// setting (one trailing newline stripped, nothing else), else the
+/// environment variable `env_name` (whose value is `env`); never both the
+/// setting and the file.
+fn resolve_secret(
+    (setting, value): (&str, &Option<String>),
+    (file_setting, file): (&str, &Option<String>),
+    env_name: &str,
+    env: Option<String>,
+) -> Result<Secret, ConfigError> {
+    // (the setting a bad token is reported under, where it came from, the token)
+    let (field, from, token) = match (value, file) {
+        (Some(_), Some(_)) => {
+            return Err(bad(
+                file_setting,
+                format!("give {setting} or {file_setting}, not both"),
+            ))
+        }
+        (Some(t), None) => (setting, String::new(), t.clone()),
+        (None, Some(path)) => {
+            let mut t = std::fs::read_to_string(path)
+                .map_err(|e| bad(file_setting, format!("cannot read {path}: {e}")))?;
+            if t.ends_with('\n') {
+                t.pop();
+                if t.ends_with('\r') {
+                    t.pop();
+                }
+            }
+            (file_setting, format!(" (the content of {path})"), t)
+        }
+        (None, None) => match env.filter(|t| !t.is_empty()) {
+            Some(t) => (setting, format!(" (from {env_name})"), t),
+            None => return Ok(Secret(None)),
+        },
+    };
+    if token.trim().is_empty() {
+        return Err(bad(field, format!("must not be empty when given{from}")));
+    }
+    // A bearer token travels in a header value: visible ASCII, no spaces.
+    if !token.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(bad(
+            field,
+            format!("must be visible ASCII without spaces or control characters{from}"),
+        ));
+    }
+    Ok(Secret(Some(token)))
+}
+
+/// The CA certificates of `upstream_ca_file` (PEM, at least one).
+pub fn read_ca_file(path: &str) -> Result<Vec<reqwest::Certificate>, String> {
+    let pem = std::fs::read(path).map_err(|e| format!("cannot read {path}: {e}"))?;
+    let certs = reqwest::Certificate::from_pem_bundle(&pem)
+        .map_err(|e| format!("{path}: not PEM certificates: {e}"))?;
+    if certs.is_empty() {
+        return Err(format!("{path}: no PEM certificate in it"));
+    }
+    Ok(certs)
 }
 
 /// A validated configuration: only [`RouterConfig::validate`] makes one, and
@@ -995,6 +1112,115 @@ mod tests {
             ),
         ];
         each_names_its_field(cases);
+    }
+
+    #[test]
+    fn node_urls_the_client_cannot_use_are_refused_naming_their_setting() {
+        let cases: Vec<(&str, Mutation)> = vec![
+            (
+                "prefill",
+                Box::new(|c| c.prefill = vec!["ftp://h:1".into()]),
+            ),
+            ("decode", Box::new(|c| c.decode = vec!["https://".into()])),
+            (
+                "pd_capable",
+                Box::new(|c| c.pd_capable = vec!["http://h:99999".into()]),
+            ),
+            (
+                "replica",
+                Box::new(|c| c.replica = vec!["http://[::1:8000".into()]),
+            ),
+            (
+                "replica",
+                Box::new(|c| c.replica = vec!["http://h:1/?x=1".into()]),
+            ),
+        ];
+        each_names_its_field(cases);
+        // https nodes are taken.
+        let c = RouterConfig {
+            prefill: vec!["https://p.example:8443".into()],
+            pd_capable: vec!["https://10.0.0.2:8443/".into()],
+            ..RouterConfig::default()
+        };
+        let s = c.validate().unwrap();
+        assert_eq!(s.nodes()[1].1.url, "https://10.0.0.2:8443");
+    }
+
+    #[test]
+    fn api_keys_come_from_the_setting_the_file_or_the_environment_and_are_never_printed() {
+        let dir = std::env::temp_dir().join(format!("ppd-keys-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("key");
+        std::fs::write(&file, "from-file\n").unwrap();
+        let resolve = |v: Option<&str>, f: Option<&str>, env: Option<&str>| {
+            resolve_secret(
+                ("upstream_api_key", &v.map(str::to_owned)),
+                ("upstream_api_key_file", &f.map(str::to_owned)),
+                UPSTREAM_API_KEY_ENV,
+                env.map(str::to_owned),
+            )
+            .map(|s| s.get().map(str::to_owned))
+        };
+        let path = file.display().to_string();
+        assert_eq!(resolve(None, None, None).unwrap(), None);
+        assert_eq!(
+            resolve(None, None, Some("e")).unwrap().as_deref(),
+            Some("e")
+        );
+        assert_eq!(
+            resolve(Some("s"), None, Some("e")).unwrap().as_deref(),
+            Some("s")
+        );
+        assert_eq!(
+            resolve(None, Some(&path), Some("e")).unwrap().as_deref(),
+            Some("from-file")
+        );
+        assert_eq!(
+            resolve(Some("s"), Some(&path), None).unwrap_err().field,
+            "upstream_api_key_file"
+        );
+        let e = resolve(None, None, Some("two words")).unwrap_err();
+        assert_eq!(e.field, "upstream_api_key");
+        assert!(e.message.contains("PPD_UPSTREAM_API_KEY"), "{e}");
+        for (field, mutate) in [
+            (
+                "api_key",
+                Box::new(|c: &mut RouterConfig| c.api_key = Some(" ".into())) as Mutation,
+            ),
+            (
+                "api_key_file",
+                Box::new(|c: &mut RouterConfig| c.api_key_file = Some("/nonexistent/k".into())),
+            ),
+            (
+                "upstream_api_key",
+                Box::new(|c: &mut RouterConfig| c.upstream_api_key = Some("a\tb".into())),
+            ),
+        ] {
+            let mut c = RouterConfig::default();
+            mutate(&mut c);
+            assert_eq!(c.validate().unwrap_err().field, field);
+        }
+        // In force after validation; printed as "<set>", never as the value.
+        let c = RouterConfig {
+            api_key: Some("client-secret".into()),
+            upstream_api_key_file: Some(path),
+            ..RouterConfig::default()
+        };
+        let s = c.validate().unwrap();
+        assert_eq!(s.config().client_secret.get(), Some("client-secret"));
+        assert_eq!(s.config().upstream_secret.get(), Some("from-file"));
+        let shown = serde_json::to_value(s.config()).unwrap();
+        assert_eq!(shown["api_key"], "<set>");
+        assert!(shown["upstream_api_key"].is_null());
+        // The value in force is in no Debug either (the raw setting is, like admin_token's).
+        let mut cleared = s.config().clone();
+        cleared.api_key = None;
+        let text = format!("{shown} {cleared:?}");
+        assert!(
+            !text.contains("client-secret") && !text.contains("from-file"),
+            "{text}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -55,11 +55,20 @@ async fn serve(
     headers: &HeaderMap,
     body: Body,
 ) -> Response {
-    let trail = Trail::begin(headers, endpoint.path());
+    let trail = Trail::begin(
+        headers,
+        endpoint.path(),
+        crate::auth::forwarded(&st.cfg, headers),
+    );
     let mut seen = Seen::default();
-    let answered = completions(st, endpoint, headers, body, &trail, &mut seen)
-        .instrument(trail.span.clone())
-        .await;
+    let answered = match crate::auth::client_refusal(&st.cfg, headers) {
+        Some(refused) => refused,
+        None => {
+            completions(st, endpoint, headers, body, &trail, &mut seen)
+                .instrument(trail.span.clone())
+                .await
+        }
+    };
     let mut resp = count_rejected(st, answered);
     trail.echo(&mut resp);
     if resp.extensions().get::<Ticketed>().is_none() {

@@ -18,6 +18,7 @@
 pub mod admin;
 mod admission;
 mod answer;
+mod auth;
 pub mod body;
 mod bookkeeping;
 pub mod config;

@@ -107,6 +107,7 @@ impl Run<'_> {
         NodeHeaders {
             request_id,
             traceparent: self.call.trail.traceparent(span),
+            authorization: self.call.trail.authorization.clone(),
         }
     }
 

@@ -13,7 +13,9 @@ use crate::kv_subscriber::NodeKv;
 use crate::load::{LoadSnapshot, NodeLoad, Work, WorkGuard};
 use ppd_core::Role;
 
-/// Where a node came from: static ones never expire, registered ones do without heartbeats.
+/// Where a node came from. Only ZMQ-registered nodes expire without
+/// heartbeats; static ones and those added with `POST /admin/nodes` stay
+/// until removed (`DELETE /admin/nodes`, or a ZMQ deregistration).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Source {
@@ -258,12 +260,13 @@ impl Registry {
         gone
     }
 
-    /// Removes registered (non-static) nodes silent for longer than `timeout_ms`.
+    /// Removes ZMQ-registered nodes silent for longer than `timeout_ms` (static
+    /// and admin-added nodes send no heartbeats and stay until removed).
     pub fn expire(&self, now_ms: u64, timeout_ms: u64) -> Vec<Arc<Node>> {
         let _w = self.write.lock();
         let cur = self.nodes.load_full();
         let (gone, kept): (Vec<_>, Vec<_>) = cur.iter().cloned().partition(|n| {
-            n.source != Source::Static && now_ms.saturating_sub(n.last_heartbeat_ms()) > timeout_ms
+            n.source == Source::Zmq && now_ms.saturating_sub(n.last_heartbeat_ms()) > timeout_ms
         });
         if !gone.is_empty() {
             self.nodes.store(Arc::new(kept));
@@ -377,10 +380,14 @@ mod tests {
         assert!(!new2);
         assert_eq!(a.id, a2.id);
         r.upsert("http://s", Role::P, None, Source::Static, 0);
+        r.upsert("http://m", Role::PD, None, Source::Admin, 0);
         let gone = r.expire(40_000, 30_000);
         assert_eq!(gone.len(), 1);
         assert_eq!(gone[0].url, "http://a");
-        assert_eq!(r.nodes().len(), 1);
+        // The static and the admin-added node stay, however long they are silent.
+        let left: Vec<_> = r.nodes().iter().map(|n| n.url.clone()).collect();
+        assert_eq!(left, ["http://s", "http://m"]);
+        assert!(r.expire(u64::MAX, 1).is_empty());
         assert!(r.get(a.id).is_none());
     }
 

@@ -77,7 +77,10 @@ async fn not_found() -> Response {
     )
 }
 
-async fn models(State(st): State<Arc<AppState>>) -> Response {
+async fn models(State(st): State<Arc<AppState>>, headers: axum::http::HeaderMap) -> Response {
+    if let Some(refused) = crate::auth::client_refusal(&st.cfg, &headers) {
+        return refused;
+    }
     let data = st.models.load_full();
     Json(serde_json::json!({"object": "list", "data": *data})).into_response()
 }

@@ -64,10 +64,17 @@ pub(crate) struct Trail {
     /// The request's span (disabled unless spans are exported); it ends when
     /// the trail does, with the answer's last byte.
     pub span: tracing::Span,
+    /// The client's `Authorization`, when it is passed on to the nodes
+    /// ([`crate::auth::forwarded`]).
+    pub authorization: Option<HeaderValue>,
 }
 
 impl Trail {
-    pub fn begin(headers: &HeaderMap, endpoint: &'static str) -> Arc<Trail> {
+    pub fn begin(
+        headers: &HeaderMap,
+        endpoint: &'static str,
+        authorization: Option<HeaderValue>,
+    ) -> Arc<Trail> {
         let id = request_id(headers);
         let span = tracing::info_span!(target: TRACE_TARGET, "request", request_id = %id, endpoint);
         if !span.is_disabled() {
@@ -81,6 +88,7 @@ impl Trail {
             endpoint,
             started: Instant::now(),
             span,
+            authorization,
         })
     }
 
@@ -285,10 +293,10 @@ mod tests {
     #[test]
     fn without_exported_spans_nodes_get_the_clients_trace_or_none() {
         let tp = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
-        let traced = Trail::begin(&headers(TRACEPARENT, tp), "/v1/completions");
+        let traced = Trail::begin(&headers(TRACEPARENT, tp), "/v1/completions", None);
         let sent = traced.traceparent(&tracing::Span::none()).unwrap();
         assert_eq!(sent, traced.trace.as_ref().unwrap().to_nodes);
-        let untraced = Trail::begin(&HeaderMap::new(), "/v1/completions");
+        let untraced = Trail::begin(&HeaderMap::new(), "/v1/completions", None);
         assert!(untraced.traceparent(&tracing::Span::none()).is_none());
     }
 

@@ -53,11 +53,16 @@ impl Endpoint {
 pub(crate) struct NodeHeaders<'a> {
     pub request_id: &'a str,
     pub traceparent: Option<HeaderValue>,
+    /// The client's `Authorization`, when it is passed on ([`crate::auth`]).
+    pub authorization: Option<HeaderValue>,
 }
 
 impl NodeHeaders<'_> {
     fn apply(self, req: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
-        let req = req.header(REQUEST_ID, self.request_id);
+        let mut req = req.header(REQUEST_ID, self.request_id);
+        if let Some(a) = self.authorization {
+            req = req.header(axum::http::header::AUTHORIZATION, a);
+        }
         match self.traceparent {
             Some(tp) => req.header(TRACEPARENT, tp),
             None => req,
