@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
 
@@ -23,6 +24,9 @@ def vllm_python() -> str:
     pytest.skip(why)
 
 
+EPHEMERAL_START = 32768  # the default start of Linux's /proc/sys/net/ipv4/ip_local_port_range
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -30,9 +34,14 @@ def free_port() -> int:
 
 
 def free_base_port(count: int, offsets: tuple[int, ...] = (0, 1000, 2000)) -> int:
-    """A base port whose ranges base+off+i (the launcher's HTTP, NIXL and KV-event ports) are all free now."""
+    """A base port whose ranges base+off+i (the launcher's HTTP, NIXL and KV-event ports) are all free now.
+
+    All of them lie below Linux's ephemeral range (32768+, where a process's outgoing connections and
+    port-0 binds take their local ports): a port free now in that range can be taken by any of them
+    before the server binds it, which happened to a vLLM node's NIXL side channel (EADDRINUSE)."""
+    top = EPHEMERAL_START - max(offsets) - count
     for _ in range(200):
-        base = free_port() % 20000 + 20000
+        base = random.randrange(20000, top)
         try:
             for off in offsets:
                 for i in range(count):
