@@ -330,6 +330,18 @@ fn ln_ratio(observed: f64, predicted: f64) -> Option<f64> {
     )
 }
 
+/// The correction cell of a path's TTFT: the node that computes the prompt
+/// (P for pd and pull when there is one, else D) and how many tokens it computes.
+fn ttft_cell(path: Path, prompt: u32, live: &LiveView) -> (u32, u32) {
+    let (node, cached) = match (path, live.p) {
+        (Path::Pd, Some(p)) => (p.node, live.p_cached),
+        (Path::Pull, Some(p)) => (p.node, live.d_cached),
+        (Path::Pd, None) => (live.d.node, 0),
+        _ => (live.d.node, live.d_cached),
+    };
+    (node, prompt.saturating_sub(cached))
+}
+
 /// The profile's numbers the predictions use, and the corrections learnt so far.
 pub struct CostModel {
     profile: Profile,
@@ -451,11 +463,15 @@ impl CostModel {
     pub fn correct(&self, f: &mut Forecast, prompt: u32, live: &LiveView) {
         let c = &self.corrections;
         let d = live.d.node;
-        let p = live.p.map_or(d, |p| p.node);
-        let computed_local = prompt.saturating_sub(live.d_cached);
-        f.local.ttft_ms *= c.ttft_factor(d, Path::Local, computed_local);
-        f.pull.ttft_ms *= c.ttft_factor(p, Path::Pull, computed_local);
-        f.pd.ttft_ms *= c.ttft_factor(p, Path::Pd, prompt.saturating_sub(live.p_cached));
+        for (path, pc) in [
+            (Path::Local, &mut f.local),
+            (Path::Pull, &mut f.pull),
+            (Path::Pd, &mut f.pd),
+        ] {
+            let (node, tokens) = ttft_cell(path, prompt, live);
+            pc.ttft_ms *= c.ttft_factor(node, path, tokens);
+            pc.ttft_spread = c.ttft_spread(node);
+        }
         let t = c.tpot_factor(d);
         let tpot_spread = c.tpot_spread(d);
         for pc in [&mut f.pd, &mut f.local, &mut f.pull] {
@@ -463,47 +479,31 @@ impl CostModel {
             pc.base_tpot_ms *= t;
             pc.tpot_spread = tpot_spread;
         }
-        f.local.ttft_spread = c.ttft_spread(d);
-        f.pull.ttft_spread = c.ttft_spread(p);
-        f.pd.ttft_spread = c.ttft_spread(p);
     }
 
-    /// Scores the TPOT observed on D against the decode step the profile
-    /// predicted there when the request was decided (the correction then
-    /// carries the stalls of the prefills that ran beside it, on average).
-    pub fn observe_tpot(
+    /// Scores what a request on `path` observed against what the profile
+    /// predicted when it was decided, so later predictions are corrected:
+    /// its TTFT on the node that computed the prompt (D for local, P for pd
+    /// and pull) by the tokens computed there, its TPOT (when it decoded more
+    /// than one token) on D — the correction then carries the stalls of the
+    /// prefills that ran beside it, on average.
+    pub fn observe(
         &self,
         path: Path,
         n_ctx: u32,
         n_in: u32,
         live: &LiveView,
-        observed_ms: f64,
+        ttft_ms: f64,
+        tpot_ms: Option<f64>,
     ) {
-        let raw = self.predict(n_ctx, n_in, live).get(path).base_tpot_ms;
-        self.corrections.observe_tpot(live.d.node, raw, observed_ms);
-    }
-
-    /// Scores the TTFT observed on `path` against what the profile
-    /// predicted for it, so later predictions where it ran are corrected:
-    /// on D for local, on P for pd and pull, by the tokens computed there.
-    pub fn observe_ttft(
-        &self,
-        path: Path,
-        n_ctx: u32,
-        n_in: u32,
-        live: &LiveView,
-        observed_ms: f64,
-    ) {
-        let raw = self.predict(n_ctx, n_in, live).get(path).ttft_ms;
-        let prompt = n_ctx.saturating_add(n_in);
-        let (node, cached) = match (path, live.p) {
-            (Path::Pd, Some(p)) => (p.node, live.p_cached),
-            (Path::Pull, Some(p)) => (p.node, live.d_cached),
-            _ => (live.d.node, live.d_cached),
-        };
-        let tokens = prompt.saturating_sub(cached);
+        let raw = self.predict(n_ctx, n_in, live).get(path);
+        let (node, tokens) = ttft_cell(path, n_ctx.saturating_add(n_in), live);
         self.corrections
-            .observe_ttft(node, path, tokens, raw, observed_ms);
+            .observe_ttft(node, path, tokens, raw.ttft_ms, ttft_ms);
+        if let Some(tpot) = tpot_ms {
+            self.corrections
+                .observe_tpot(live.d.node, raw.base_tpot_ms, tpot);
+        }
     }
 
     /// A decode step of `n`'s running sequences, ms.

@@ -149,23 +149,15 @@ impl Ticket {
         }
     }
 
-    /// Scores the cost model's TTFT prediction for the path taken against
-    /// what happened, so later predictions on its node are corrected.
-    fn correct_prediction(&self, observed_ms: f64) {
+    /// Scores the cost model's prediction for the path taken against what
+    /// happened (TTFT, and TPOT when more than one token came), so later
+    /// predictions on its nodes are corrected.
+    fn correct_prediction(&self, ttft_ms: f64, tpot_ms: Option<f64>) {
         let (Some(live), Some(m)) = (self.decided.live, self.state.engine.cost_model()) else {
             return;
         };
         let i = &self.decided;
-        m.observe_ttft(self.route.path, i.n_ctx, i.n_in, &live, observed_ms);
-    }
-
-    /// Scores the answer's TPOT against D's decode step as predicted when it was decided.
-    fn correct_tpot(&self, observed_ms: f64) {
-        let (Some(live), Some(m)) = (self.decided.live, self.state.engine.cost_model()) else {
-            return;
-        };
-        let i = &self.decided;
-        m.observe_tpot(self.route.path, i.n_ctx, i.n_in, &live, observed_ms);
+        m.observe(self.route.path, i.n_ctx, i.n_in, &live, ttft_ms, tpot_ms);
     }
 
     /// A complete answer: session, latencies, KV accounting, node health.
@@ -191,12 +183,13 @@ impl Ticket {
         if let Some(ft) = first_token {
             let ttft = (ft - self.trail.started).as_secs_f64();
             st.metrics.ttft.get_or_create(&path).observe(ttft);
-            self.correct_prediction(ttft * 1000.0);
-            if let Some(u) = usage.filter(|u| u.completion_tokens > 1) {
-                let tpot = (end - ft).as_secs_f64() / f64::from(u.completion_tokens - 1);
+            let tpot = usage
+                .filter(|u| u.completion_tokens > 1)
+                .map(|u| (end - ft).as_secs_f64() / f64::from(u.completion_tokens - 1));
+            if let Some(tpot) = tpot {
                 st.metrics.tpot.get_or_create(&path).observe(tpot);
-                self.correct_tpot(tpot * 1000.0);
             }
+            self.correct_prediction(ttft * 1000.0, tpot.map(|t| t * 1000.0));
         }
         if let Some(u) = usage {
             let per_token = st.cfg.kv_bytes_per_token;

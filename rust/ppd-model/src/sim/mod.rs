@@ -705,16 +705,14 @@ impl<'a> Sim<'a> {
                             if let Some(pr) = c.predicted.take() {
                                 if let Some(m) = self.router.cost_model() {
                                     // From the router's send: a Turn 1's TTFT includes the client's queue.
-                                    m.observe_ttft(
+                                    m.observe(
                                         pr.path,
                                         pr.n_ctx,
                                         pr.n_in,
                                         &pr.live,
                                         first - c.sent,
+                                        tpot,
                                     );
-                                    if let Some(tpot) = tpot {
-                                        m.observe_tpot(pr.path, pr.n_ctx, pr.n_in, &pr.live, tpot);
-                                    }
                                 }
                                 if pr.corrected_ms > 0.0 && ttft > 0.0 {
                                     self.prediction_errors
