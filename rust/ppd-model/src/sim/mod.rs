@@ -201,9 +201,9 @@ struct Conv {
 
 #[derive(Debug, Clone, Copy)]
 struct Predicted {
-    /// The corrected prediction the decision saw (0: a Turn 1, which only
-    /// teaches the corrections).
-    corrected_ms: f64,
+    /// The corrected prediction the decision saw (none for a Turn 1, which
+    /// only teaches the corrections).
+    corrected_ms: Option<f64>,
     path: Path,
     n_ctx: u32,
     n_in: u32,
@@ -511,7 +511,7 @@ impl<'a> Sim<'a> {
                     // A Turn 1 is a pd prefill on P: its TTFT teaches P's
                     // corrections before any Turn 2 asks for them.
                     self.convs[conv as usize].predicted = Some(Predicted {
-                        corrected_ms: 0.0,
+                        corrected_ms: None,
                         path: Path::Pd,
                         n_ctx,
                         n_in,
@@ -539,7 +539,7 @@ impl<'a> Sim<'a> {
     /// The prediction for the path taken, to score against what happens.
     fn predicted(route: &ppd_core::Route, input: &DecisionInput) -> Option<Predicted> {
         Some(Predicted {
-            corrected_ms: route.forecast?.get(route.path).ttft_ms,
+            corrected_ms: Some(route.forecast?.get(route.path).ttft_ms),
             path: route.path,
             n_ctx: input.n_ctx,
             n_in: input.n_in,
@@ -714,9 +714,10 @@ impl<'a> Sim<'a> {
                                         tpot,
                                     );
                                 }
-                                if pr.corrected_ms > 0.0 && ttft > 0.0 {
-                                    self.prediction_errors
-                                        .push((ttft / pr.corrected_ms).ln().abs());
+                                if let Some(predicted) =
+                                    pr.corrected_ms.filter(|&p| p > 0.0 && ttft > 0.0)
+                                {
+                                    self.prediction_errors.push((ttft / predicted).ln().abs());
                                 }
                             }
                             self.mean_out += 0.05 * (f64::from(n) - self.mean_out);
