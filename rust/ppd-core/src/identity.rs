@@ -113,6 +113,18 @@ impl ConversationId {
     pub fn hash64(&self) -> u64 {
         hash_id(&self.id)
     }
+
+    /// The key that places the conversation ([`crate::placement`]): the
+    /// same at every turn, in every router replica. A client's id is stable
+    /// as given; a conversation keyed by its history moves its key each
+    /// turn, so it places by its opening (strangers who open alike share a
+    /// node, and with it their common prefix).
+    pub fn placement_key(&self) -> u64 {
+        match (self.source, self.history) {
+            (IdSource::History | IdSource::Opening, Some(h)) => h.opening.0 as u64,
+            _ => self.hash64(),
+        }
+    }
 }
 
 pub fn hash_id(id: &str) -> u64 {
@@ -209,20 +221,32 @@ pub struct History {
     /// previous turn ended with. `None` when there is no assistant message
     /// (a Turn 1).
     pub prefix: Option<HistoryHash>,
+    /// Those through the first user message: the same at every turn, so
+    /// every turn of a conversation keyed by its history places alike.
+    pub opening: HistoryHash,
 }
 
 impl History {
     pub fn of(messages: &[crate::request::MessageView<'_>]) -> Result<History, Error> {
         let last_assistant = messages.iter().rposition(|m| m.role == "assistant");
+        let first_user = messages.iter().position(|m| m.role == "user");
         let mut h = HistoryHash::EMPTY;
         let mut prefix = None;
+        let mut opening = None;
         for (i, m) in messages.iter().enumerate() {
             h = h.then(&m.role, ContentHasher::of(&ContentText::parse(m.content)?));
             if Some(i) == last_assistant {
                 prefix = Some(h);
             }
+            if Some(i) == first_user {
+                opening = Some(h);
+            }
         }
-        Ok(History { whole: h, prefix })
+        Ok(History {
+            whole: h,
+            prefix,
+            opening: opening.unwrap_or(h),
+        })
     }
 }
 
@@ -469,6 +493,28 @@ mod tests {
 
     fn id_of(body: &str) -> ConversationId {
         conversation_id(IdHints::default(), &parse_request(body).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn every_turn_of_a_conversation_places_alike_and_other_openings_elsewhere() {
+        let t1 = id_of(
+            r#"{"messages":[{"role":"system","content":"s"},{"role":"user","content":"q"}]}"#,
+        );
+        let t2 = id_of(
+            r#"{"messages":[{"role":"system","content":"s"},{"role":"user","content":"q"},{"role":"assistant","content":"a"},{"role":"user","content":"r"}]}"#,
+        );
+        let other = id_of(
+            r#"{"messages":[{"role":"system","content":"s"},{"role":"user","content":"p"}]}"#,
+        );
+        assert_ne!(t1.id, t2.id);
+        assert_eq!(t1.placement_key(), t2.placement_key());
+        assert_ne!(t1.placement_key(), other.placement_key());
+        let named = conversation_id(
+            IdHints::session_header(Some("c-1")),
+            &parse_request(r#"{"messages":[{"role":"user","content":"q"}]}"#).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(named.placement_key(), hash_id("c-1"));
     }
 
     #[test]

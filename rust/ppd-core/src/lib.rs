@@ -19,6 +19,7 @@ pub mod identity;
 pub mod kv_events;
 pub mod layout;
 pub mod path;
+pub mod placement;
 pub mod policy;
 pub mod profile;
 pub mod profiles;
