@@ -290,6 +290,7 @@ def run_emulator(
     fault_error_rate: float = 0.0,
     fault_hang: bool = False,
     kv_events_endpoint: Optional[str] = None,
+    kv_events_bind: bool = False,
     kv_connector_extra_config: Optional[str] = None,
     api_key: Optional[str] = None,
 ) -> None:

@@ -51,6 +51,7 @@ def _run(args: argparse.Namespace) -> int:
         fault_error_rate=args.fault_error_rate,
         fault_hang=args.fault_hang,
         kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_bind=args.kv_events_bind,
         kv_connector_extra_config=args.kv_connector_extra_config,
         api_key=args.api_key,
     )
@@ -90,7 +91,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fault-hang", action="store_true", help="accept requests and never answer")
     p.add_argument(
         "--kv-events-endpoint",
-        help="publish KV events (vLLM's BlockStored/BlockRemoved msgpack over ZMQ) by connecting to tcp://HOST:PORT",
+        help="publish KV events (vLLM's BlockStored/BlockRemoved msgpack over ZMQ) by connecting to tcp://HOST:PORT "
+        "(where a router binds); with a wildcard host (tcp://*:PORT) or --kv-events-bind, bind it instead, as vLLM "
+        "does, and every router replica connects",
+    )
+    p.add_argument(
+        "--kv-events-bind",
+        action="store_true",
+        help="bind --kv-events-endpoint (routers connect with kv_events_from=) instead of connecting to it",
     )
     p.add_argument(
         "--kv-connector-extra-config",

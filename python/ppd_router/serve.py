@@ -87,6 +87,11 @@ _SCALARS: dict[str, tuple[type, str]] = {
     ),
     "worker_threads": (int, "router I/O threads (default 0 = one per core)"),
     "runtime": (str, "thread-per-core (default: a request stays on its thread) or work-stealing"),
+    "placement": (
+        str,
+        "least-loaded (default: one router) or rendezvous (one of several replicas: new conversations by "
+        "rendezvous hashing with bounded loads, later turns adopted where the nodes' KV events show them)",
+    ),
     "log": (
         str,
         "log filter in tracing's EnvFilter syntax, e.g. info or warn,ppd_router::request=info "

@@ -7,6 +7,9 @@
 //! numbers spent, as a PUB socket drops them without a subscriber: the
 //! subscriber sees the gap. A subscriber that goes away (the router restarts,
 //! or drops the node and adds it again) is reconnected to, as pyzmq does.
+//! Given a wildcard endpoint (`tcp://*:PORT`) vLLM binds instead, and any
+//! number of subscribers (router replicas) connect; so does this, and with
+//! `bind` on any address (tests bind loopback only).
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -20,6 +23,20 @@ use zeromq::{Socket, SocketEvent, SocketSend, ZmqMessage};
 pub struct KvEventsConfig {
     pub endpoint: String,
     pub topic: String,
+    /// Bind the endpoint (subscribers connect) rather than connect to it.
+    pub bind: bool,
+}
+
+impl KvEventsConfig {
+    /// vLLM's rule: a wildcard host binds (as all interfaces); else `bind` says.
+    pub fn new(endpoint: &str, topic: &str, bind: bool) -> KvEventsConfig {
+        let wildcard = endpoint.contains('*');
+        KvEventsConfig {
+            endpoint: endpoint.replace('*', "0.0.0.0"),
+            topic: topic.to_owned(),
+            bind: bind || wildcard,
+        }
+    }
 }
 
 /// Starts the publisher task; the engine driver sends it each step's events.
@@ -58,7 +75,41 @@ async fn connect(endpoint: &str) -> Option<Conn> {
     Some(Conn { sock, events })
 }
 
-async fn run(cfg: KvEventsConfig, mut rx: mpsc::UnboundedReceiver<Vec<KvEvent>>) {
+async fn run(cfg: KvEventsConfig, rx: mpsc::UnboundedReceiver<Vec<KvEvent>>) {
+    if cfg.bind {
+        run_bound(cfg, rx).await
+    } else {
+        run_connected(cfg, rx).await
+    }
+}
+
+/// `[topic, seq, batch]` as vLLM sends it.
+fn message(topic: &str, seq: u64, events: &[KvEvent]) -> ZmqMessage {
+    let ts = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    let mut msg = ZmqMessage::from(topic.as_bytes().to_vec());
+    msg.push_back(seq.to_be_bytes().to_vec().into());
+    msg.push_back(encode_batch(ts, events).into());
+    msg
+}
+
+/// A bound PUB socket: what no subscriber hears is lost, sequence spent.
+async fn run_bound(cfg: KvEventsConfig, mut rx: mpsc::UnboundedReceiver<Vec<KvEvent>>) {
+    let mut sock = zeromq::PubSocket::new();
+    // The address may still be held by the node's previous process for a moment.
+    while sock.bind(&cfg.endpoint).await.is_err() {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let mut seq: u64 = 0;
+    while let Some(events) = rx.recv().await {
+        // A send without subscribers, or to one that just left, drops the batch, as a PUB socket does.
+        let _ = sock.send(message(&cfg.topic, seq, &events)).await;
+        seq += 1;
+    }
+}
+
+async fn run_connected(cfg: KvEventsConfig, mut rx: mpsc::UnboundedReceiver<Vec<KvEvent>>) {
     let mut seq: u64 = 0;
     let mut sock: Option<Conn> = None;
     // Connected from the start, not at the first batch: a PUB socket drops
@@ -83,13 +134,11 @@ async fn run(cfg: KvEventsConfig, mut rx: mpsc::UnboundedReceiver<Vec<KvEvent>>)
             retry_at = tokio::time::Instant::now();
         }
         let Some(s) = sock.as_mut() else { continue };
-        let ts = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0.0, |d| d.as_secs_f64());
-        let mut msg = ZmqMessage::from(cfg.topic.clone().into_bytes());
-        msg.push_back(this.to_be_bytes().to_vec().into());
-        msg.push_back(encode_batch(ts, &events).into());
-        if s.sock.send(msg).await.is_err() {
+        if s.sock
+            .send(message(&cfg.topic, this, &events))
+            .await
+            .is_err()
+        {
             sock = None;
         }
     }

@@ -309,10 +309,11 @@ pub async fn start_cluster(roles: &[Role], base: &NodeConfig) -> Result<Cluster,
         cfg.engine_id = Some(format!("emu-{}{}-{}", role.as_str(), i, addr.port()));
         // Decoding nodes publish their cache as vLLM's would; P's KV only passes through.
         if role != Role::P {
-            cfg.kv_events = Some(KvEventsConfig {
-                endpoint: format!("tcp://127.0.0.1:{}", free_port()?),
-                topic: format!("kv.{}{i}", role.as_str()),
-            });
+            cfg.kv_events = Some(KvEventsConfig::new(
+                &format!("tcp://127.0.0.1:{}", free_port()?),
+                &format!("kv.{}{i}", role.as_str()),
+                false,
+            ));
         }
         let kv_events = cfg.kv_events.as_ref().map(|k| k.endpoint.clone());
         let mut rx = rx.clone();

@@ -34,6 +34,7 @@ fn node_config(
     fault_error_rate: f64,
     fault_hang: bool,
     kv_events_endpoint: Option<&str>,
+    kv_events_bind: bool,
     kv_connector_extra_config: Option<&str>,
     api_key: Option<&str>,
 ) -> PyResult<NodeConfig> {
@@ -64,10 +65,11 @@ fn node_config(
                 "kv_events_endpoint {endpoint:?}: expected tcp://HOST:PORT"
             )));
         }
-        cfg.kv_events = Some(ppd_emulator::KvEventsConfig {
-            endpoint: endpoint.to_owned(),
-            topic: format!("kv.{role}"),
-        });
+        cfg.kv_events = Some(ppd_emulator::KvEventsConfig::new(
+            endpoint,
+            &format!("kv.{role}"),
+            kv_events_bind,
+        ));
     }
     if let Some(extra) = kv_connector_extra_config {
         cfg.bidirectional =
@@ -82,7 +84,7 @@ fn node_config(
 #[pyo3(signature = (role = "R", port = 8000, *, host = "127.0.0.1", profile = None, kv_link_gbps = None,
     max_num_seqs = None, max_num_batched_tokens = None, kv_blocks = None, seed = 0, served_model_name = None,
     fault_latency_ms = 0.0, fault_error_rate = 0.0, fault_hang = false, kv_events_endpoint = None,
-    kv_connector_extra_config = None, api_key = None))]
+    kv_events_bind = false, kv_connector_extra_config = None, api_key = None))]
 #[allow(clippy::too_many_arguments)]
 fn run_emulator(
     py: Python<'_>,
@@ -100,6 +102,7 @@ fn run_emulator(
     fault_error_rate: f64,
     fault_hang: bool,
     kv_events_endpoint: Option<&str>,
+    kv_events_bind: bool,
     kv_connector_extra_config: Option<&str>,
     api_key: Option<&str>,
 ) -> PyResult<()> {
@@ -118,6 +121,7 @@ fn run_emulator(
         fault_error_rate,
         fault_hang,
         kv_events_endpoint,
+        kv_events_bind,
         kv_connector_extra_config,
         api_key,
     )?;

@@ -17,6 +17,7 @@ use ppd_core::{PolicyKind, Role, Weights};
 
 use crate::error::openai_error;
 use crate::intake::read_within;
+use crate::kv_subscriber::Endpoint;
 use crate::registry::Source;
 use crate::state::AppState;
 
@@ -124,6 +125,10 @@ struct RegisterBody {
     /// router binds), as `URL;kv_events=...` in the node lists.
     #[serde(default)]
     kv_events: Option<String>,
+    /// Where the node's publisher binds (the router connects), as
+    /// `URL;kv_events_from=...` in the node lists.
+    #[serde(default)]
+    kv_events_from: Option<String>,
 }
 
 async fn register(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) -> Response {
@@ -136,7 +141,7 @@ async fn register(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) -> 
         Ok(b) => b,
         Err(e) => {
             return bad_request(format!(
-            "body: {e}; expected {{\"url\", \"role\": P|D|pD|R, \"zmq_address\"?, \"kv_events\"?}}"
+            "body: {e}; expected {{\"url\", \"role\": P|D|pD|R, \"zmq_address\"?, \"kv_events\"? or \"kv_events_from\"?}}"
         ))
         }
     };
@@ -147,12 +152,21 @@ async fn register(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) -> 
         Ok(s) => s,
         Err(e) => return bad_request(e.to_string()),
     };
-    let kv_events = match b.kv_events {
-        Some(e) if !e.trim().starts_with("tcp://") => {
-            return bad_request(format!("kv_events {e:?}: expected tcp://HOST:PORT"))
-        }
-        e => e.map(|e| e.trim().to_owned()).or(spec.kv_events),
-    };
+    let kv_events =
+        match (b.kv_events, b.kv_events_from) {
+            (Some(_), Some(_)) => return bad_request(
+                "give kv_events (the router binds) or kv_events_from (the node binds), not both",
+            ),
+            (Some(e), None) => match tcp("kv_events", &e) {
+                Ok(a) => Some(Endpoint::bind(a)),
+                Err(r) => return r,
+            },
+            (None, Some(e)) => match tcp("kv_events_from", &e) {
+                Ok(a) => Some(Endpoint::connect(a)),
+                Err(r) => return r,
+            },
+            (None, None) => spec.kv_events,
+        };
     let spec = crate::config::NodeSpec {
         zmq: b.zmq_address.or(spec.zmq),
         kv_events,
@@ -169,6 +183,18 @@ async fn register(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) -> 
         Json(json!({"id": node.id.get(), "url": node.url, "role": node.role.as_str(), "new": new})),
     )
         .into_response()
+}
+
+/// A KV-event address as given, or the client's error.
+fn tcp<'a>(field: &str, address: &'a str) -> Result<&'a str, Response> {
+    let a = address.trim();
+    if a.starts_with("tcp://") {
+        Ok(a)
+    } else {
+        Err(bad_request(format!(
+            "{field} {address:?}: expected tcp://HOST:PORT"
+        )))
+    }
 }
 
 #[derive(Deserialize)]

@@ -7,6 +7,8 @@ use ppd_core::layout::{parse_layout, Role};
 use ppd_core::profile::Profile;
 use ppd_core::{PolicyKind, Slo, Weights};
 
+use crate::kv_subscriber::Endpoint;
+
 /// How the pd path moves KV from P to D.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -66,6 +68,21 @@ pub enum Runtime {
     /// One tokio multi-thread runtime, which evens out uneven connections at
     /// the price of handing requests between threads.
     WorkStealing,
+}
+
+/// Where a conversation without a session here lands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Placement {
+    /// The decoding node with the fewest requests in flight, then sessions:
+    /// right for one router, which sees every conversation.
+    LeastLoaded,
+    /// For one of several router replicas: a new conversation goes where
+    /// rendezvous hashing of its key with bounded loads puts it (every
+    /// replica computes the same node), and a later turn this replica has
+    /// no session for is adopted where the nodes' KV events show its
+    /// prompt, else where its key places it.
+    Rendezvous,
 }
 
 /// Every setting, with the defaults of the CLI. Field names are the TOML keys;
@@ -183,6 +200,8 @@ pub struct RouterConfig {
     /// Router I/O threads (0: one per core).
     pub worker_threads: usize,
     pub runtime: Runtime,
+    /// Where conversations without a session here land.
+    pub placement: Placement,
 
     // --- the request path's failure handling ---
     /// Longest wait for a streamed answer's first token (or a node's error
@@ -343,6 +362,7 @@ impl Default for RouterConfig {
             otlp_traces_endpoint: None,
             worker_threads: 0,
             runtime: Runtime::ThreadPerCore,
+            placement: Placement::LeastLoaded,
             first_token_timeout: 60.0,
             expose_node_header: false,
             route_headers: RouteHeaders::All,
@@ -440,13 +460,15 @@ fn line_of(text: &str, offset: usize) -> usize {
 pub struct NodeSpec {
     pub url: String,
     pub zmq: Option<String>,
-    /// Where the node publishes its KV events (the router binds it).
-    pub kv_events: Option<String>,
+    /// Where the router hears the node's KV events.
+    pub kv_events: Option<Endpoint>,
 }
 
-/// Parses `URL` with options `;zmq=HOST:PORT` (P2pNccl address) and
-/// `;kv_events=tcp://HOST:PORT` (vLLM's `--kv-events-config` endpoint); the
-/// URL must be http(s) with a host.
+/// Parses `URL` with options `;zmq=HOST:PORT` (P2pNccl address),
+/// `;kv_events=tcp://HOST:PORT` (vLLM's `--kv-events-config` endpoint, which
+/// the router binds and the node connects to) or `;kv_events_from=tcp://HOST:PORT`
+/// (the node binds, e.g. vLLM given `tcp://*:PORT`, and the router connects,
+/// as every replica may); the URL must be http(s) with a host.
 pub fn parse_node(field: &str, s: &str) -> Result<NodeSpec, ConfigError> {
     let mut parts = s.split(';');
     let url = parts
@@ -460,13 +482,16 @@ pub fn parse_node(field: &str, s: &str) -> Result<NodeSpec, ConfigError> {
         match p.trim().split_once('=') {
             Some(("zmq", v)) if !v.trim().is_empty() => zmq = Some(v.trim().to_owned()),
             Some(("kv_events", v)) if v.trim().starts_with("tcp://") => {
-                kv_events = Some(v.trim().to_owned())
+                kv_events = Some(Endpoint::bind(v.trim()))
+            }
+            Some(("kv_events_from", v)) if v.trim().starts_with("tcp://") => {
+                kv_events = Some(Endpoint::connect(v.trim()))
             }
             _ => {
                 return Err(bad(
                     field,
                     format!(
-                        "{s:?}: unknown node option {p:?} (expected zmq=HOST:PORT or kv_events=tcp://HOST:PORT)"
+                        "{s:?}: unknown node option {p:?} (expected zmq=HOST:PORT, kv_events=tcp://HOST:PORT or kv_events_from=tcp://HOST:PORT)"
                     ),
                 ))
             }
@@ -1339,6 +1364,32 @@ mod tests {
         let n = parse_node("prefill", "http://10.0.0.1:8100/;zmq=10.0.0.1:21001").unwrap();
         assert_eq!(n.url, "http://10.0.0.1:8100");
         assert_eq!(n.zmq.as_deref(), Some("10.0.0.1:21001"));
+    }
+
+    #[test]
+    fn kv_events_bind_here_and_kv_events_from_connect_to_the_node() {
+        let bound = parse_node("pd_capable", "http://d:1;kv_events=tcp://127.0.0.1:5557").unwrap();
+        assert_eq!(
+            bound.kv_events,
+            Some(Endpoint::bind("tcp://127.0.0.1:5557"))
+        );
+        let from = parse_node("pd_capable", "http://d:1;kv_events_from=tcp://d:5557").unwrap();
+        assert_eq!(from.kv_events, Some(Endpoint::connect("tcp://d:5557")));
+        let e = parse_node("pd_capable", "http://d:1;kv_events_from=d:5557").unwrap_err();
+        assert!(e.to_string().contains("kv_events_from=tcp://"), "{e}");
+    }
+
+    #[test]
+    fn placement_is_least_loaded_unless_set_to_rendezvous() {
+        assert_eq!(RouterConfig::default().placement, Placement::LeastLoaded);
+        let c = RouterConfig::default()
+            .with_overrides(r#"{"placement": "rendezvous"}"#)
+            .unwrap();
+        assert_eq!(c.placement, Placement::Rendezvous);
+        let e = RouterConfig::default()
+            .with_overrides(r#"{"placement": "random"}"#)
+            .unwrap_err();
+        assert_eq!(e.field, "placement", "{e}");
     }
 
     #[test]

@@ -7,7 +7,11 @@ use ppd_core::prompt::request_ids;
 use ppd_core::request::RequestView;
 use ppd_core::session::Session;
 
+use ppd_core::Role;
+
+use crate::config::Placement;
 use crate::kv_subscriber::Mode;
+use crate::metrics::AdoptionLabel;
 use crate::state::AppState;
 
 pub const SESSION_HEADER: &str = "x-session-id";
@@ -31,6 +35,27 @@ pub(crate) struct Identified {
     /// The prompt's token ids as the session's D computes them, when that D's
     /// KV events let the route step match them exactly (Turn 2+ only).
     pub prompt_ids: Option<Vec<u64>>,
+    /// Where the conversation places among decoding nodes: the same key at
+    /// every turn and in every router replica.
+    pub placement_key: u64,
+}
+
+/// How a later turn without a session here found its D (rendezvous placement only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Adoption {
+    /// The node whose KV events show the longest part of its prompt.
+    Residency,
+    /// No node's events say: the node its key places it on.
+    Placement,
+}
+
+impl Adoption {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Adoption::Residency => "residency",
+            Adoption::Placement => "placement",
+        }
+    }
 }
 
 /// Names the conversation and derives its features; a Turn 1 counts as an
@@ -50,7 +75,7 @@ pub(crate) fn identify(
     };
     let conv = conversation_id(hints, view)?;
     let now = st.now_ms();
-    let session = st.sessions.get(&conv.id, now);
+    let mut session = st.sessions.get(&conv.id, now);
     let table = st.engine.table();
     let features = features(
         view,
@@ -65,7 +90,19 @@ pub(crate) fn identify(
         }
         q.rate(now)
     };
-    let prompt_ids = exact_prompt_ids(st, view, session.as_ref())?;
+    let placement_key = conv.placement_key();
+    let mut prompt_ids = exact_prompt_ids(st, view, session.as_ref())?;
+    if session.is_none() && features.turn > 1 && st.cfg.placement == Placement::Rendezvous {
+        let a = adopt(st, view, placement_key, features.turn, now)?;
+        if a.session.is_some() {
+            st.metrics
+                .sessions_adopted
+                .get_or_create(&AdoptionLabel { by: a.by.as_str() })
+                .inc();
+        }
+        session = a.session;
+        prompt_ids = a.prompt_ids;
+    }
     let prefix_ok = continues(conv.source, conv.history, session.as_ref());
     Ok(Identified {
         conv: conv.id,
@@ -76,7 +113,61 @@ pub(crate) fn identify(
         session,
         qps,
         prompt_ids,
+        placement_key,
     })
+}
+
+/// A later turn that another router replica (or this one, before its
+/// session aged out) placed: the session its D implies. The nodes' KV
+/// events say exactly where its prompt is cached; without them the node
+/// its key places on is where every replica put its first turn (unless
+/// that node was full then). The adopted session knows the D only: the
+/// features stay estimated, as for a session with no usage yet.
+fn adopt(
+    st: &AppState,
+    view: &RequestView<'_>,
+    key: u64,
+    turn: u32,
+    now: u64,
+) -> Result<Adopted, ppd_core::Error> {
+    let decoding = [Role::D, Role::PD];
+    let ids = match st.renderer.as_deref() {
+        Some(r) if st.registry.any_exact(&decoding, now) => Some(request_ids(view, r)?),
+        _ => None,
+    };
+    let held = ids
+        .as_deref()
+        .and_then(|ids| st.registry.holding(&decoding, ids, now));
+    let (d, how) = match held {
+        Some((d, _)) => (Some(d), Adoption::Residency),
+        None => (
+            st.registry.placed(&decoding, key, &[], now, 0, false),
+            Adoption::Placement,
+        ),
+    };
+    let session = d.as_ref().map(|d| {
+        let mut s = Session::new(now);
+        s.turns = turn - 1;
+        s.d = Some(d.id);
+        s.d_epoch = d.load.epoch();
+        s
+    });
+    // The ids match only an exact D's cache; a D placed blind reads them as
+    // nothing cached, which is what its silence says.
+    let ids = ids.filter(|_| d.as_ref().is_some_and(|d| d.kv.mode() == Mode::Exact));
+    Ok(Adopted {
+        session,
+        prompt_ids: ids,
+        by: how,
+    })
+}
+
+/// What [`adopt`] found: the session, the prompt's ids where they match
+/// its D's cache, and how.
+struct Adopted {
+    session: Option<Session>,
+    prompt_ids: Option<Vec<u64>>,
+    by: Adoption,
 }
 
 /// Whether a named conversation's request presents the history its last

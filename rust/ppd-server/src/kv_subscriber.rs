@@ -1,7 +1,9 @@
 //! Subscribes to a node's KV events (vLLM's ZMQ publisher) and keeps the node's block index, so the route step knows exactly what the node caches.
 //!
 //! vLLM connects its PUB socket to a non-wildcard endpoint, so the router
-//! binds a SUB socket there, one per node. Every message is counted: read,
+//! binds a SUB socket there, one per node (`kv_events=`); given a wildcard
+//! (`tcp://*:PORT`, vLLM's default) vLLM binds, and the router connects
+//! (`kv_events_from=`), as every router replica may: PUB/SUB fans out. Every message is counted: read,
 //! malformed (logged, skipped), or missed (a gap in the publisher's sequence
 //! numbers: the index may lack blocks, so it under-reports, never invents).
 //! A sequence that starts over, or `AllBlocksCleared`, means the node's cache
@@ -17,7 +19,7 @@ use parking_lot::RwLock;
 use ppd_core::kv_events::{decode_message, Batch};
 use ppd_core::residency::{Applied, BlockIndex};
 use serde::Serialize;
-use zeromq::{Socket, SocketRecv};
+use zeromq::{Socket, SocketEvent, SocketRecv};
 
 use crate::load::NodeLoad;
 
@@ -37,6 +39,40 @@ impl Mode {
         match self {
             Mode::Exact => "exact",
             Mode::Approx => "approx",
+        }
+    }
+}
+
+/// Where the router hears a node's KV events, and which side binds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Endpoint {
+    pub address: String,
+    pub attach: Attach,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Attach {
+    /// The router binds; the node's publisher connects (vLLM given a host
+    /// address). One router per address.
+    Bind,
+    /// The node's publisher binds (vLLM given `tcp://*:PORT`); the router
+    /// connects, as any number of router replicas may.
+    Connect,
+}
+
+impl Endpoint {
+    pub fn bind(address: &str) -> Endpoint {
+        Endpoint {
+            address: address.to_owned(),
+            attach: Attach::Bind,
+        }
+    }
+
+    pub fn connect(address: &str) -> Endpoint {
+        Endpoint {
+            address: address.to_owned(),
+            attach: Attach::Connect,
         }
     }
 }
@@ -62,8 +98,8 @@ const NO_SEQ: u64 = u64::MAX;
 /// A node's KV-event endpoint, index and counters.
 #[derive(Debug, Default)]
 pub struct NodeKv {
-    /// The endpoint the router binds for this node (`None`: no events).
-    pub endpoint: Option<String>,
+    /// Where the router hears this node (`None`: no events).
+    pub endpoint: Option<Endpoint>,
     index: RwLock<BlockIndex>,
     last_seq: AtomicU64,
     batches: AtomicU64,
@@ -81,7 +117,7 @@ pub struct NodeKv {
 }
 
 impl NodeKv {
-    pub fn new(endpoint: Option<String>) -> NodeKv {
+    pub fn new(endpoint: Option<Endpoint>) -> NodeKv {
         NodeKv {
             endpoint,
             last_seq: AtomicU64::new(NO_SEQ),
@@ -209,41 +245,91 @@ impl NodeKv {
     }
 }
 
-/// Receives the node's events until the task is aborted. A bind failure is
-/// retried (the address may be held by a previous router for a moment).
+/// Receives the node's events until the node leaves the registry. A bind
+/// or connect that fails is retried (a previous router may hold the address
+/// for a moment; a publisher may not be up yet), and a connected publisher
+/// that goes away (its node restarted) is connected to again: its sequence
+/// then starts over, which [`NodeKv::apply`] reads as an emptied cache.
 pub async fn run(kv: Arc<NodeKv>, load: Arc<NodeLoad>, now_ms: impl Fn() -> u64) {
     let Some(endpoint) = kv.endpoint.clone() else {
         return;
     };
-    let mut sock = loop {
-        if kv.is_closed() {
+    loop {
+        let Some(mut conn) = attached(&kv, &endpoint).await else {
+            return;
+        };
+        let lost = receive(&kv, &load, &now_ms, &mut conn).await;
+        let _ = conn.sock.close().await;
+        if !lost {
             return;
         }
-        let mut s = zeromq::SubSocket::new();
-        match s.bind(&endpoint).await {
-            Ok(_) => {
-                if s.subscribe("").await.is_ok() {
-                    break s;
-                }
+        tracing::info!(endpoint = %endpoint.address, "KV-event publisher went away; connecting again");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// A subscribed socket, and for a connected one the monitor that reports
+/// its publisher leaving.
+struct Conn {
+    sock: zeromq::SubSocket,
+    monitor: Option<futures_channel::mpsc::Receiver<SocketEvent>>,
+}
+
+/// Binds or connects until it works, or `None` once the node left.
+async fn attached(kv: &NodeKv, ep: &Endpoint) -> Option<Conn> {
+    loop {
+        if kv.is_closed() {
+            return None;
+        }
+        let mut sock = zeromq::SubSocket::new();
+        let attached = match ep.attach {
+            Attach::Bind => sock.bind(&ep.address).await.map(|_| None),
+            Attach::Connect => {
+                let monitor = sock.monitor();
+                sock.connect(&ep.address).await.map(|()| Some(monitor))
             }
-            Err(e) => tracing::warn!(%endpoint, "cannot bind the KV-event endpoint: {e}; retrying"),
+        };
+        match attached {
+            Ok(monitor) if sock.subscribe("").await.is_ok() => return Some(Conn { sock, monitor }),
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(endpoint = %ep.address, attach = ?ep.attach, "cannot attach to the KV-event endpoint: {e}; retrying")
+            }
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
-    };
+    }
+}
+
+/// Applies messages until the node leaves (`false`) or a connected
+/// publisher goes away (`true`).
+async fn receive(kv: &NodeKv, load: &NodeLoad, now_ms: &impl Fn() -> u64, conn: &mut Conn) -> bool {
+    use futures_util::StreamExt;
     loop {
         let stopped = kv.stop.notified();
         if kv.is_closed() {
-            break;
+            return false;
         }
+        let peer_left = async {
+            match conn.monitor.as_mut() {
+                Some(m) => loop {
+                    match m.next().await {
+                        Some(SocketEvent::Disconnected(_)) | None => break,
+                        Some(_) => {}
+                    }
+                },
+                None => std::future::pending().await,
+            }
+        };
         let received = tokio::select! {
-            r = sock.recv() => r,
-            () = stopped => break,
+            r = conn.sock.recv() => r,
+            () = stopped => return false,
+            () = peer_left => return true,
         };
         match received {
             Ok(msg) => {
                 let frames: Vec<&[u8]> = msg.iter().map(|f| f.as_ref()).collect();
                 match decode_message(&frames) {
-                    Ok(batch) => kv.apply(&batch, &load, now_ms()),
+                    Ok(batch) => kv.apply(&batch, load, now_ms()),
                     Err(e) => kv.malformed(&e),
                 }
             }
@@ -254,7 +340,6 @@ pub async fn run(kv: Arc<NodeKv>, load: Arc<NodeLoad>, now_ms: impl Fn() -> u64)
             }
         }
     }
-    let _ = sock.close().await;
 }
 
 #[cfg(test)]
@@ -281,7 +366,7 @@ mod tests {
 
     #[test]
     fn events_make_the_node_exact_and_fill_its_index() {
-        let kv = NodeKv::new(Some("tcp://127.0.0.1:1".into()));
+        let kv = NodeKv::new(Some(Endpoint::bind("tcp://127.0.0.1:1")));
         let load = NodeLoad::default();
         assert_eq!(kv.mode(), Mode::Approx);
         kv.apply(&batch(0, vec![stored(1, vec![1, 2])]), &load, 10);
@@ -292,7 +377,7 @@ mod tests {
 
     #[test]
     fn a_sequence_gap_is_counted_as_missed() {
-        let kv = NodeKv::new(Some("e".into()));
+        let kv = NodeKv::new(Some(Endpoint::bind("e")));
         let load = NodeLoad::default();
         kv.apply(&batch(3, vec![]), &load, 1);
         kv.apply(&batch(7, vec![]), &load, 2);
@@ -302,7 +387,7 @@ mod tests {
 
     #[test]
     fn a_sequence_starting_over_empties_the_cache_and_bumps_the_epoch() {
-        let kv = NodeKv::new(Some("e".into()));
+        let kv = NodeKv::new(Some(Endpoint::bind("e")));
         let load = NodeLoad::default();
         kv.apply(&batch(5, vec![stored(1, vec![1, 2])]), &load, 1);
         kv.apply(&batch(0, vec![]), &load, 1000);
@@ -314,7 +399,7 @@ mod tests {
 
     #[test]
     fn all_blocks_cleared_empties_the_cache_and_bumps_the_epoch() {
-        let kv = NodeKv::new(Some("e".into()));
+        let kv = NodeKv::new(Some(Endpoint::bind("e")));
         let load = NodeLoad::default();
         kv.apply(
             &batch(0, vec![stored(1, vec![1, 2]), KvEvent::Cleared]),

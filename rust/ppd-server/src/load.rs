@@ -144,6 +144,15 @@ impl Work {
 }
 
 impl LoadSnapshot {
+    /// Requests on the node as far as anyone says: the router's own, or
+    /// what a fresh scrape counts running and waiting (every client's).
+    pub fn requests(&self) -> u64 {
+        let scraped = self
+            .scraped
+            .map_or(0.0, |s| s.running.max(0.0) + s.waiting.max(0.0));
+        u64::from(self.inflight).max(scraped as u64)
+    }
+
     /// The harmonic mean of the output lengths the node decodes for the
     /// router: a stall of t ms adds t/n to the TPOT of an answer of n tokens.
     pub fn mean_out_harmonic(&self) -> Option<f64> {

@@ -84,6 +84,12 @@ pub struct NodeOutcomeLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AdoptionLabel {
+    /// `residency` (KV events showed the prompt) or `placement` (its key).
+    pub by: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct FigureLabel {
     pub figure: &'static str,
 }
@@ -118,6 +124,7 @@ pub struct Metrics {
     pub kv_releases: Family<ResultLabel, Counter>,
     pub queue_waiting: Gauge,
     pub sessions: Gauge,
+    pub sessions_adopted: Family<AdoptionLabel, Counter>,
     pub nodes: Family<NodeStateLabels, Gauge>,
     pub node_load: Family<NodeFigureLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     pub node_restarts: Family<NodeLabel, Counter>,
@@ -260,6 +267,12 @@ impl Metrics {
         );
         let sessions = Gauge::default();
         registry.register("sessions", "Live sessions", sessions.clone());
+        let sessions_adopted = Family::<AdoptionLabel, Counter>::default();
+        registry.register(
+            "sessions_adopted",
+            "Later turns with no session here (placement rendezvous: another replica served the earlier ones), by how their D was found",
+            sessions_adopted.clone(),
+        );
         let nodes = Family::<NodeStateLabels, Gauge>::default();
         registry.register("nodes", "Nodes by role and state", nodes.clone());
         let node_load =
@@ -335,6 +348,7 @@ impl Metrics {
             kv_releases,
             queue_waiting,
             sessions,
+            sessions_adopted,
             nodes,
             node_load,
             node_restarts,

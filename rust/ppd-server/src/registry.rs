@@ -9,8 +9,9 @@ use std::sync::Arc;
 use ppd_core::session::NodeId;
 
 use crate::admission::{Admitted, NodeSlots};
-use crate::kv_subscriber::NodeKv;
+use crate::kv_subscriber::{Endpoint, Mode, NodeKv};
 use crate::load::{LoadSnapshot, NodeLoad, Work, WorkGuard};
+use ppd_core::placement::{self, Candidate};
 use ppd_core::Role;
 
 /// Where a node came from. Only ZMQ-registered nodes expire without
@@ -205,13 +206,13 @@ impl Registry {
     }
 
     /// [`Registry::upsert`] for a node that publishes KV events at `kv_events`
-    /// (the endpoint the router binds; kept from the node's first registration).
+    /// (kept from the node's first registration).
     pub fn upsert_with_events(
         &self,
         url: &str,
         role: Role,
         zmq: Option<String>,
-        kv_events: Option<String>,
+        kv_events: Option<Endpoint>,
         source: Source,
         now_ms: u64,
     ) -> (Arc<Node>, bool) {
@@ -298,6 +299,67 @@ impl Registry {
             .cloned()
     }
 
+    /// Where a conversation placed by `key` goes among the available nodes
+    /// of `roles`: rendezvous hashing with bounded loads over their URLs, so
+    /// every router replica that sees the same nodes picks the same one.
+    /// A node's load is the most requests in flight anyone reports: this
+    /// router's own, or the node's fresh scrape (which counts every
+    /// replica's). `bounded: false` takes the key's favourite whatever its
+    /// load — where a later turn finds the node its first turn chose.
+    pub fn placed(
+        &self,
+        roles: &[Role],
+        key: u64,
+        exclude: &[NodeId],
+        now_ms: u64,
+        stale_after_ms: u64,
+        bounded: bool,
+    ) -> Option<Arc<Node>> {
+        let nodes = self.nodes.load();
+        let pool: Vec<&Arc<Node>> = nodes
+            .iter()
+            .filter(|n| roles.contains(&n.role) && !exclude.contains(&n.id) && n.available(now_ms))
+            .collect();
+        let candidates: Vec<Candidate<'_>> = pool
+            .iter()
+            .map(|n| Candidate {
+                name: &n.url,
+                load: n.load_snapshot(now_ms, stale_after_ms).requests(),
+            })
+            .collect();
+        let i = if bounded {
+            placement::bounded(key, &candidates, placement::DEFAULT_LOAD_BOUND)
+        } else {
+            placement::rendezvous(key, &candidates)
+        }?;
+        Some(Arc::clone(pool[i]))
+    }
+
+    /// The available node of `roles` whose KV events show the longest
+    /// leading part of `prompt` cached, with that many tokens (none when no
+    /// such node reports events, or none holds a block of it).
+    pub fn holding(&self, roles: &[Role], prompt: &[u64], now_ms: u64) -> Option<(Arc<Node>, u32)> {
+        self.nodes
+            .load()
+            .iter()
+            .filter(|n| {
+                roles.contains(&n.role) && n.available(now_ms) && n.kv.mode() == Mode::Exact
+            })
+            .map(|n| (n, n.kv.cached_prefix_tokens(prompt)))
+            .filter(|&(_, t)| t > 0)
+            // The longest; on a tie (a prefix every node holds) the first registered.
+            .max_by(|(a, ta), (b, tb)| ta.cmp(tb).then_with(|| b.id.cmp(&a.id)))
+            .map(|(n, t)| (Arc::clone(n), t))
+    }
+
+    /// Whether any available node of `roles` reports its cache through KV events.
+    pub fn any_exact(&self, roles: &[Role], now_ms: u64) -> bool {
+        self.nodes
+            .load()
+            .iter()
+            .any(|n| roles.contains(&n.role) && n.available(now_ms) && n.kv.mode() == Mode::Exact)
+    }
+
     pub fn record_success(&self, node: &Node) {
         node.consecutive_failures.store(0, Ordering::Release);
         node.served.fetch_add(1, Ordering::Relaxed);
@@ -353,6 +415,52 @@ mod tests {
         assert_eq!(r.least_loaded(&[Role::P], &[], 0).unwrap().id, a.id);
         assert_eq!(r.least_loaded(&[Role::P], &[a.id], 0).unwrap().id, b.id);
         assert!(r.least_loaded(&[Role::R], &[], 0).is_none());
+    }
+
+    #[test]
+    fn placement_is_the_same_in_registries_that_list_the_nodes_in_another_order() {
+        let urls = ["http://d0", "http://d1", "http://d2", "http://d3"];
+        let a = reg();
+        let b = reg();
+        for u in urls {
+            a.upsert(u, Role::PD, None, Source::Static, 0);
+        }
+        for u in urls.iter().rev() {
+            b.upsert(u, Role::PD, None, Source::Static, 0);
+        }
+        for key in 0..200u64 {
+            let pa = a.placed(&[Role::PD], key, &[], 0, 0, true).unwrap();
+            let pb = b.placed(&[Role::PD], key, &[], 0, 0, true).unwrap();
+            assert_eq!(pa.url, pb.url, "key {key}");
+        }
+    }
+
+    #[test]
+    fn a_bounded_placement_passes_over_a_busy_favourite_and_an_unbounded_one_does_not() {
+        let r = reg();
+        for u in ["http://d0", "http://d1", "http://d2"] {
+            r.upsert(u, Role::PD, None, Source::Static, 0);
+        }
+        let key = 7;
+        let fav = r.placed(&[Role::PD], key, &[], 0, 0, true).unwrap();
+        let _busy: Vec<_> = (0..4)
+            .map(|_| InflightGuard::new(Arc::clone(&fav)))
+            .collect();
+        assert_ne!(
+            r.placed(&[Role::PD], key, &[], 0, 0, true).unwrap().id,
+            fav.id
+        );
+        assert_eq!(
+            r.placed(&[Role::PD], key, &[], 0, 0, false).unwrap().id,
+            fav.id
+        );
+        // Never an excluded node.
+        assert_ne!(
+            r.placed(&[Role::PD], key, &[fav.id], 0, 0, false)
+                .unwrap()
+                .id,
+            fav.id
+        );
     }
 
     #[test]

@@ -14,6 +14,7 @@ use ppd_core::identity::hash_id;
 use ppd_core::session::NodeId;
 use ppd_core::{DecisionInput, LiveView, NodeView, Path, Reason, Residency, Role, Route};
 
+use crate::config::Placement;
 use crate::identify::Identified;
 use crate::load::Work;
 use crate::pull::Handle;
@@ -25,6 +26,8 @@ pub(crate) struct Plan {
     pub route: Route,
     /// What the engine decided on, kept for a second decision.
     input: DecisionInput,
+    /// The conversation's placement key, kept to place a retry alike.
+    placement_key: u64,
     pub target: Target,
 }
 
@@ -152,7 +155,7 @@ pub(crate) fn plan(
         let (c, w, q) = table.describe(s.cell_at);
         (c.to_owned(), w.to_owned(), q)
     });
-    let mut plan = placed(st, route, input, holder, &id.conv, &[]);
+    let mut plan = placed(st, route, input, holder, &id.conv, id.placement_key, &[]);
     if let (1, Target::Pd(d)) = (f.turn, &plan.target) {
         if st.engine.policy().predicts() {
             // A Turn 1 is a pd prefill on P: its TTFT teaches P's
@@ -286,7 +289,15 @@ pub(crate) fn after_failure(
             ..before.route
         },
     };
-    let plan = placed(st, route, input, None, "", &[failed.id]);
+    let plan = placed(
+        st,
+        route,
+        input,
+        None,
+        "",
+        before.placement_key,
+        &[failed.id],
+    );
     if matches!(plan.target, Target::Unavailable(_)) {
         return Ok(None);
     }
@@ -315,12 +326,14 @@ pub(crate) fn without_prefill(st: &AppState, before: &Plan) -> Plan {
     Plan {
         route,
         input: before.input,
+        placement_key: before.placement_key,
         target,
     }
 }
 
-/// A route on its nodes: the session's node where it can serve, else the
-/// least loaded node of the path's roles, never one in `exclude`. A pd path
+/// A route on its nodes: the session's node where it can serve, else a
+/// node of the path's roles ([`new_decoder`] for a decoding node), never
+/// one in `exclude`. A pd path
 /// without an available P runs direct on its D (`p_unavailable`); a pull
 /// takes the conversation's handle, or is a pd turn when it raced away.
 fn placed(
@@ -329,6 +342,7 @@ fn placed(
     input: DecisionInput,
     holder: Option<Arc<Node>>,
     conv: &str,
+    placement_key: u64,
     exclude: &[NodeId],
 ) -> Plan {
     let now = st.now_ms();
@@ -348,6 +362,7 @@ fn placed(
                 return Plan {
                     route,
                     input,
+                    placement_key,
                     target: Target::Pull(Arc::clone(d), Box::new(h)),
                 }
             }
@@ -371,7 +386,7 @@ fn placed(
             ),
         Path::Pd | Path::Pull => match holder
             .filter(|n| n.role.decodes() && usable(n))
-            .or_else(|| least_loaded(&[Role::D, Role::PD]))
+            .or_else(|| new_decoder(st, placement_key, exclude, now))
         {
             None => Target::Unavailable("no healthy decode node"),
             Some(d) if !st.connector.prefills() => Target::Direct(d),
@@ -385,7 +400,22 @@ fn placed(
     Plan {
         route,
         input,
+        placement_key,
         target,
+    }
+}
+
+/// The decoding node of a conversation without one: the least loaded, or
+/// under rendezvous placement the node its key places on with bounded
+/// loads, as every router replica computes it.
+fn new_decoder(st: &AppState, key: u64, exclude: &[NodeId], now: u64) -> Option<Arc<Node>> {
+    let roles = [Role::D, Role::PD];
+    match st.cfg.placement {
+        Placement::LeastLoaded => st.registry.least_loaded(&roles, exclude, now),
+        Placement::Rendezvous => {
+            let stale = crate::load::stale_after_ms(st.cfg.load_interval);
+            st.registry.placed(&roles, key, exclude, now, stale, true)
+        }
     }
 }
 
