@@ -209,6 +209,7 @@ fn start_emulated_cluster(
         0.0,
         false,
         None,
+        false,
         kv_connector_extra_config,
         None,
     )?;
