@@ -92,7 +92,14 @@ pub(crate) fn identify(
     };
     let placement_key = conv.placement_key();
     let mut prompt_ids = exact_prompt_ids(st, view, session.as_ref())?;
-    if session.is_none() && features.turn > 1 && st.cfg.placement == Placement::Rendezvous {
+    // Under rendezvous placement other replicas serve turns too: a session
+    // that missed the turns before this one knows neither where they ran
+    // nor the history they ended with.
+    let stale = session.is_some_and(|s| features.turn > s.turns + 1);
+    if (session.is_none() || stale)
+        && features.turn > 1
+        && st.cfg.placement == Placement::Rendezvous
+    {
         let a = adopt(st, view, placement_key, features.turn, now)?;
         if a.session.is_some() {
             st.metrics
