@@ -14,6 +14,7 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any, Optional
 
 import httpx
@@ -152,7 +153,7 @@ def where_its_kv_was(turns: list[Turn]) -> tuple[int, int]:
     """(Turn 2+ requests, those served local on the node of the previous turn with at least that turn's
     prompt cached there, block-aligned — the node's own report)."""
     later = ok = 0
-    for prev, t in zip(turns, turns[1:]):
+    for prev, t in pairwise(turns):
         if prev.status != 200:
             continue
         later += 1
@@ -195,7 +196,7 @@ def test_every_later_turn_finds_its_kv_through_any_replica(fleet: Fleet) -> None
         later, ok = later + n, ok + k
     assert later == 600
     missed = [(p.turn, t.replica, t.path, t.node == p.node, t.cached, p.prompt_tokens, p.replica)
-              for c in convs for p, t in zip(c.turns, c.turns[1:]) if (t.path, t.node) != ("local", p.node)
+              for c in convs for p, t in pairwise(c.turns) if (t.path, t.node) != ("local", p.node)
               or t.cached < p.prompt_tokens // BLOCK * BLOCK]
     assert ok / later >= 0.99, f"{ok} of {later} Turn 2+ requests found their KV; missed: {missed[:12]}"
     # Every replica served later turns it never saw the start of: adopted, mostly by residency.
