@@ -195,9 +195,12 @@ def test_every_later_turn_finds_its_kv_through_any_replica(fleet: Fleet) -> None
         n, k = where_its_kv_was(c.turns)
         later, ok = later + n, ok + k
     assert later == 600
-    missed = [(p.turn, t.replica, t.path, t.node == p.node, t.cached, p.prompt_tokens, p.replica)
-              for c in convs for p, t in pairwise(c.turns) if (t.path, t.node) != ("local", p.node)
-              or t.cached < p.prompt_tokens // BLOCK * BLOCK]
+    missed = [
+        (p.turn, t.replica, t.path, t.node == p.node, t.cached, p.prompt_tokens, p.replica)
+        for c in convs
+        for p, t in pairwise(c.turns)
+        if (t.path, t.node) != ("local", p.node) or t.cached < p.prompt_tokens // BLOCK * BLOCK
+    ]
     assert ok / later >= 0.99, f"{ok} of {later} Turn 2+ requests found their KV; missed: {missed[:12]}"
     # Every replica served later turns it never saw the start of: adopted, mostly by residency.
     adopted = [metric_sum(httpx.get(r.url + "/metrics").text, "ppd_sessions_adopted") for r in fleet.replicas]
