@@ -341,7 +341,17 @@ class VllmCluster:
         self.cpu_kvcache_gib = cpu_kvcache_gib
         # Bidirectional NIXL transfer (the pull path) when set: seconds a D pins a turn.
         self.decoder_kv_blocks_ttl = decoder_kv_blocks_ttl
+        # The router's upstream API key: each node requires it (vLLM reads VLLM_API_KEY, which unlike
+        # --api-key no other user of the machine sees in the process list).
+        self.api_key: Optional[str] = None
         self.nodes: list[RunningNode] = []
+
+    def node_env(self, plan: NodePlan, base: Optional[dict[str, str]] = None, shown: bool = False) -> dict[str, str]:
+        """The environment a node starts with (``shown``: the API key as ``<set>``, for --dry-run)."""
+        env = vllm_env(plan, device=self.device, base=base, cpu_kvcache_gib=self.cpu_kvcache_gib)
+        if self.api_key:
+            env["VLLM_API_KEY"] = "<set>" if shown else self.api_key
+        return env
 
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -360,7 +370,7 @@ class VllmCluster:
             kv_events=self.kv_events,
             decoder_kv_blocks_ttl=self.decoder_kv_blocks_ttl,
         )
-        env = vllm_env(plan, device=self.device, cpu_kvcache_gib=self.cpu_kvcache_gib)
+        env = self.node_env(plan)
         with open(log_path, mode) as log:
             log.write((" ".join(cmd) + "\n").encode())
             log.flush()
@@ -452,7 +462,7 @@ class VllmCluster:
                         kv_events=self.kv_events,
                         decoder_kv_blocks_ttl=self.decoder_kv_blocks_ttl,
                     ),
-                    "env": vllm_env(plan, device=self.device, base={}, cpu_kvcache_gib=self.cpu_kvcache_gib),
+                    "env": self.node_env(plan, base={}, shown=True),
                 }
             )
         out: dict[str, Any] = {"nodes": nodes}
@@ -555,10 +565,11 @@ def _launch(args: argparse.Namespace) -> int:
     if settings["tokenizer"] is None and tokenizer.exists():
         # exact n_in / n_ctx for the decision, not the word-rule estimate
         extra["tokenizer"] = settings["tokenizer"] = str(tokenizer)
+    router = build_router(args, extra)  # settings are checked before any node starts
+    cluster.api_key = router.upstream_api_key
     if args.dry_run:
         print(json.dumps(cluster.plan_summary(router_settings=settings), indent=1))
         return 0
-    router = build_router(args, extra)  # settings are checked before any node starts
     signal.signal(signal.SIGTERM, _raise_interrupt)
     started = time.monotonic()
     try:

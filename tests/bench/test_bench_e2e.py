@@ -277,3 +277,20 @@ def test_refused_and_unanswered_connections_are_connection_errors_not_timeouts()
         assert reasons(server.getsockname()[1]) == {"connection_error"}
     finally:
         server.close()
+
+
+def test_the_deployment_defaults_to_the_node_counts_a_router_reports(stub):
+    import json
+
+    from ppd_router import Router
+    from ppd_router.bench.command import deployment_of
+    from tests.helpers import free_port
+
+    router = Router(json.dumps({"emulated": "1P2pD", "port": free_port()}))
+    url = router.start()
+    try:
+        assert deployment_of(url) == "1P_2pD"
+    finally:
+        router.stop()
+    # A target that does not list its nodes (a stand-in, or plain vLLM) leaves it to --config.
+    assert deployment_of(stub.url) is None

@@ -184,6 +184,27 @@ def test_dry_run_with_bidirectional_transfer_sets_the_routers_ttl_on_the_nodes(m
     assert plan["router"]["bidirectional_kv_xfer"] is True and plan["router"]["policy"] == "pull"
 
 
+def test_launched_nodes_require_the_routers_upstream_key_which_no_command_line_shows(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    key = tmp_path / "upstream.key"
+    key.write_text("upstream-secret-1\n")
+    r = subprocess.run(launch_cli("--model", str(model_dir), "--layout", "1P_1pD", "--device", "cuda", "--gpus", "0,1",
+                                  "--python", sys.executable, "--dry-run", "--upstream-api-key-file", str(key)),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "upstream-secret-1" not in r.stdout
+    plan = json.loads(r.stdout)
+    for node in plan["nodes"]:
+        # vLLM reads VLLM_API_KEY as --api-key; the dry run shows that it is set, not what it is.
+        assert node["env"]["VLLM_API_KEY"] == "<set>"
+        assert "--api-key" not in node["command"]
+    plain = subprocess.run(launch_cli("--model", str(model_dir), "--layout", "1P_1pD", "--device", "cuda",
+                                      "--gpus", "0,1", "--python", sys.executable, "--dry-run"),
+                           capture_output=True, text=True, timeout=60, env={k: v for k, v in os.environ.items() if k != "PPD_UPSTREAM_API_KEY"})
+    assert all("VLLM_API_KEY" not in n["env"] for n in json.loads(plain.stdout)["nodes"])
+
+
 def test_bidirectional_cpu_nodes_run_their_executor_in_process() -> None:
     p, pd = plan_nodes(["P", "pD"], device="cpu", base_port=9000, cpus=[0])
     for node in (p, pd):

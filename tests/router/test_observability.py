@@ -347,7 +347,7 @@ def test_spans_reach_an_otlp_collector_in_the_clients_trace(p_and_d: tuple[Stand
     assert d.calls[-1]["traceparent"].split("-")[2] == by_name["decode_first_token"]["spanId"].lower()
 
 
-def test_a_node_that_left_has_no_state_series(p_and_d: tuple[StandIn, StandIn]) -> None:
+def test_a_node_that_left_has_no_series_of_any_family(p_and_d: tuple[StandIn, StandIn]) -> None:
     p, d = p_and_d
     settings = {
         "prefill": [p.url],
@@ -360,13 +360,22 @@ def test_a_node_that_left_has_no_state_series(p_and_d: tuple[StandIn, StandIn]) 
     url = router.start()
     try:
 
-        def nodes_with_state() -> set[str]:
+        def nodes_in(family: str = "") -> set[str]:
+            """The nodes named by the series of one family, or of every family."""
             fams = families(httpx.get(url + "/metrics").text, openmetrics=False)
-            return {s.labels["node"] for s in fams["ppd_node_state"].samples}
+            return {
+                s.labels["node"]
+                for name, fam in fams.items()
+                if not family or name == family
+                for s in fam.samples
+                if "node" in s.labels
+            }
 
-        assert nodes_with_state() == {p.url, d.url}
+        assert nodes_in("ppd_node_state") == {p.url, d.url}
+        assert {p.url, d.url} <= nodes_in("ppd_residency_mode")
         gone = httpx.delete(url + "/admin/nodes", params={"url": p.url}, headers={"authorization": "Bearer secret"})
         assert gone.status_code == 200, gone.text
-        assert nodes_with_state() == {d.url}
+        # No per-node series of any family lingers: state, load figures, residency, KV events, restarts.
+        assert nodes_in() == {d.url}
     finally:
         router.stop()

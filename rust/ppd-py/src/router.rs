@@ -193,6 +193,18 @@ impl Router {
         self.with_started(|h| Ok(ppd_server::membership::deregister_node(&h.state, url).len()))
     }
 
+    /// The bearer token the router sends to every node (`upstream_api_key`,
+    /// its file, or `PPD_UPSTREAM_API_KEY`), for `launch` to start its nodes
+    /// with; `None` when unset.
+    #[getter]
+    fn upstream_api_key(&self) -> Option<String> {
+        self.settings
+            .config()
+            .upstream_secret
+            .get()
+            .map(str::to_owned)
+    }
+
     /// Nodes as JSON (what `GET /admin/nodes` returns).
     fn nodes_json(&self) -> PyResult<String> {
         self.with_started(|h| Ok(ppd_server::admin::node_list(&h.state).to_string()))

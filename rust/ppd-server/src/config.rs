@@ -87,7 +87,8 @@ pub enum Placement {
 
 /// Every setting, with the defaults of the CLI. Field names are the TOML keys;
 /// the flags are the same names with dashes (`session_ttl` ↔ `--session-ttl`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// `Debug` prints it as JSON, as `--print-config` does: secrets as `"<set>"`.
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RouterConfig {
     pub host: String,
@@ -120,7 +121,9 @@ pub struct RouterConfig {
     pub w_ttft: f64,
     pub w_tpot: f64,
     pub kv_protocol: KvProtocol,
-    /// Bearer token of the admin API; without it the admin API refuses every call.
+    /// Bearer token of the admin API; without it the admin API refuses every
+    /// call. Shown as `"<set>"` when printed.
+    #[serde(serialize_with = "redacted")]
     pub admin_token: Option<String>,
     /// Bearer token clients must send on `/v1/*` (`Authorization: Bearer
     /// …`); unset: the OpenAI endpoints are open. `/health` and `/metrics`
@@ -270,6 +273,15 @@ pub struct RouterConfig {
     /// Never serialized, never printed.
     #[serde(skip)]
     pub upstream_secret: Secret,
+}
+
+impl fmt::Debug for RouterConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match serde_json::to_string(self) {
+            Ok(json) => write!(f, "RouterConfig {json}"),
+            Err(e) => write!(f, "RouterConfig <unprintable: {e}>"),
+        }
+    }
 }
 
 /// A secret setting as printed: `"<set>"` or null, never its value.
@@ -1364,6 +1376,22 @@ mod tests {
         let n = parse_node("prefill", "http://10.0.0.1:8100/;zmq=10.0.0.1:21001").unwrap();
         assert_eq!(n.url, "http://10.0.0.1:8100");
         assert_eq!(n.zmq.as_deref(), Some("10.0.0.1:21001"));
+    }
+
+    #[test]
+    fn no_secret_shows_in_the_debug_print_or_the_printed_settings() {
+        let c = RouterConfig::default()
+            .with_overrides(
+                r#"{"admin_token": "adm-1", "api_key": "cli-2", "upstream_api_key": "up-3"}"#,
+            )
+            .unwrap();
+        let shown = format!("{c:?} {}", serde_json::to_string(&c).unwrap());
+        for secret in ["adm-1", "cli-2", "up-3"] {
+            assert!(!shown.contains(secret), "{secret} in {shown}");
+        }
+        assert!(shown.contains("\"admin_token\":\"<set>\""), "{shown}");
+        let s = c.validate().unwrap();
+        assert!(!format!("{s:?}").contains("adm-1"));
     }
 
     #[test]

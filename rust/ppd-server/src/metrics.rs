@@ -68,6 +68,27 @@ pub struct NodeFigureLabels {
     pub figure: &'static str,
 }
 
+/// Every `figure` of [`NodeFigureLabels`].
+pub const NODE_FIGURES: [&str; 7] = [
+    "inflight",
+    "prompt_tokens",
+    "decode_tokens",
+    "kv_bytes",
+    "running",
+    "waiting",
+    "kv_usage",
+];
+
+/// Every `outcome` of [`NodeOutcomeLabels`].
+pub const KV_EVENT_OUTCOMES: [&str; 6] = [
+    "received",
+    "missed",
+    "malformed",
+    "orphaned",
+    "skipped",
+    "reset",
+];
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct NodeModeLabels {
     pub node: String,

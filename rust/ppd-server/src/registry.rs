@@ -63,6 +63,12 @@ pub enum NodeState {
 }
 
 impl NodeState {
+    pub const ALL: [NodeState; 3] = [
+        NodeState::Healthy,
+        NodeState::Unhealthy,
+        NodeState::BreakerOpen,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             NodeState::Healthy => "healthy",

@@ -147,11 +147,7 @@ async fn metrics(State(st): State<Arc<AppState>>, headers: axum::http::HeaderMap
     for n in st.registry.nodes().iter() {
         in_flight += i64::from(n.inflight());
         let now_in = n.state(now);
-        for state in [
-            NodeState::Healthy,
-            NodeState::Unhealthy,
-            NodeState::BreakerOpen,
-        ] {
+        for state in NodeState::ALL {
             st.metrics
                 .node_state
                 .get_or_create(&NodeRoleStateLabels {
@@ -361,8 +357,8 @@ async fn background(st: Arc<AppState>) {
         check_health(&st).await;
         let now = st.now_ms();
         for gone in st.registry.expire(now, heartbeat_ms) {
-            gone.kv.close();
             tracing::warn!(node = %gone.url, "no heartbeat: node removed");
+            crate::membership::departed(&st, &gone);
         }
         st.sessions.evict_expired(now);
     }
