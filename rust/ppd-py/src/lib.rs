@@ -526,12 +526,17 @@ struct SessionTable {
 impl SessionTable {
     /// The session in the one JSON shape of ppd-core ([`Session::view`]), as a dict.
     fn session_dict(&self, py: Python<'_>, id: &str, s: &Session) -> PyResult<Py<PyAny>> {
-        let names = self
-            .names
-            .lock()
-            .map_err(|_| errors::run("session names lock poisoned"))?;
-        let text = serde_json::to_string(&s.view(id, |n| names.name(Some(n))))
-            .map_err(|e| errors::run(e.to_string()))?;
+        let text = {
+            let names = self
+                .names
+                .lock()
+                .map_err(|_| errors::run("session names lock poisoned"))?;
+            serde_json::to_string(&s.view(id, |n| names.name(Some(n))))
+                .map_err(|e| errors::run(e.to_string()))?
+        };
+        // Not under the lock: Python code may hand the GIL to a thread that
+        // is waiting for the lock while holding the GIL (a deadlock, seen in
+        // tests/core/test_sessions.py's concurrent record_turn).
         json_to_py(py, &text)
     }
 }
