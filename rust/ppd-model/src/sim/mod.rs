@@ -24,7 +24,9 @@ use ppd_core::{
 use crate::engine::{mix64, Content, Engine, Event, Finish, Kind, Submit};
 use crate::profile::Profile;
 
+mod events;
 mod replicas;
+use events::{time_key, Events};
 use replicas::{node_names, place, replica_for, Replica};
 
 /// One simulated point. Times in seconds, as on the command line.
@@ -344,6 +346,9 @@ struct Sim<'a> {
     /// time is no longer the node's, are skipped): the next node to advance
     /// without scanning them all.
     agenda: BinaryHeap<Reverse<(u64, usize)>>,
+    /// Each node's time on the agenda (`u64::MAX`: none), so that a node
+    /// touched without its time moving is not queued again.
+    on_agenda: Vec<u64>,
     names: Vec<String>,
     /// Requests routed to each node and not yet answered, over all replicas.
     inflight: Vec<u32>,
@@ -357,14 +362,11 @@ struct Sim<'a> {
     t2_held: u64,
     t2_own_d: u64,
     t2_kv_found: u64,
-    place_scratch: Vec<(usize, u64)>,
     ps: Vec<usize>,
     ds: Vec<usize>,
     rs: Vec<usize>,
     replica_share: f64,
-    heap: BinaryHeap<Reverse<(u64, u64)>>,
-    ext: AHashMap<u64, (f64, Ext)>,
-    seq: u64,
+    events: Events<Ext>,
     next_id: u64,
     reqs: AHashMap<u64, ReqInfo>,
     convs: Vec<Conv>,
@@ -389,16 +391,9 @@ struct Sim<'a> {
     prediction_errors: Vec<f64>,
 }
 
-/// Orders f64 times in the heap (all times are finite and ≥ 0).
-fn time_key(t: f64) -> u64 {
-    t.max(0.0).to_bits()
-}
-
 impl<'a> Sim<'a> {
     fn push(&mut self, t: f64, e: Ext) {
-        self.seq += 1;
-        self.heap.push(Reverse((time_key(t), self.seq)));
-        self.ext.insert(self.seq, (t, e));
+        self.events.push(t, e);
     }
 
     fn pick(list: &[usize], rr: &mut usize) -> usize {
@@ -539,7 +534,8 @@ impl<'a> Sim<'a> {
         }
         self.sent += 1;
         let timeout = self.cfg.timeout_s * 1000.0;
-        self.push(t + timeout, Ext::Timeout { conv, turn });
+        self.events
+            .push_timeout(t + timeout, Ext::Timeout { conv, turn });
         let t = t + self.hop();
         match route.path {
             Path::Replica => {
@@ -634,9 +630,12 @@ impl<'a> Sim<'a> {
         } else {
             let key = self.convs[conv as usize].key;
             let (replica, truth) = (&self.replicas[r], &self.inflight);
-            let exact = self.cfg.view_delay_s <= 0.0;
-            let load = |n: usize| if exact { truth[n] } else { replica.seen(n) };
-            place(key, &self.ds, &self.names, load, &mut self.place_scratch)
+            if self.cfg.view_delay_s <= 0.0 {
+                place(key, &self.ds, &self.names, |n| truth[n], self.d_inflight)
+            } else {
+                let total = replica.seen_d_total();
+                place(key, &self.ds, &self.names, |n| replica.seen(n), total)
+            }
         };
         // Checked against the true loads, whatever the replica saw.
         let cap = capacity_of(self.d_inflight, self.ds.len(), DEFAULT_LOAD_BOUND);
@@ -652,10 +651,9 @@ impl<'a> Sim<'a> {
         let c = &mut self.convs[conv as usize];
         c.counted = Some(node);
         self.inflight[node] += 1;
-        if self.roles[node].decodes() {
-            self.d_inflight += 1;
-        }
-        self.replicas[c.replica as usize].sent(node);
+        let decodes = self.roles[node].decodes();
+        self.d_inflight += u64::from(decodes);
+        self.replicas[c.replica as usize].sent(node, decodes);
     }
 
     /// The turn is answered (or given up): its node's load drops.
@@ -665,10 +663,9 @@ impl<'a> Sim<'a> {
             return;
         };
         self.inflight[node] -= 1;
-        if self.roles[node].decodes() {
-            self.d_inflight -= 1;
-        }
-        self.replicas[c.replica as usize].answered(node);
+        let decodes = self.roles[node].decodes();
+        self.d_inflight -= u64::from(decodes);
+        self.replicas[c.replica as usize].answered(node, decodes);
     }
 
     /// Where a Turn 2+ of a conversation held on D `held_by` went: to that
@@ -688,8 +685,20 @@ impl<'a> Sim<'a> {
     /// Puts `node`'s next internal event on the agenda (after anything that
     /// may have moved it).
     fn touch(&mut self, node: usize) {
-        if let Some(t) = self.nodes[node].next_event_time() {
-            self.agenda.push(Reverse((time_key(t), node)));
+        let key = self.nodes[node]
+            .next_event_time()
+            .map_or(u64::MAX, time_key);
+        if key != self.on_agenda[node] {
+            self.on_agenda[node] = key;
+            if key != u64::MAX {
+                self.agenda.push(Reverse((key, node)));
+            }
+            // Entries a node left behind far ahead (an idle P's lease expiry
+            // minutes away) would pile up: drop them once they outnumber the nodes.
+            if self.agenda.len() > 4 * self.nodes.len() + 1024 {
+                let on = &self.on_agenda;
+                self.agenda.retain(|&Reverse((k, n))| on[n] == k);
+            }
         }
     }
 
@@ -697,7 +706,7 @@ impl<'a> Sim<'a> {
     /// index among equal times, as a scan in node order finds it).
     fn next_node(&mut self) -> Option<(f64, usize)> {
         while let Some(&Reverse((k, n))) = self.agenda.peek() {
-            if self.nodes[n].next_event_time().map(time_key) == Some(k) {
+            if self.on_agenda[n] == k {
                 return Some((f64::from_bits(k), n));
             }
             self.agenda.pop();
@@ -796,7 +805,7 @@ impl<'a> Sim<'a> {
                 self.end_conversation(t, conv)?;
             }
             Ext::Refresh(r) => {
-                self.replicas[r as usize].refresh(&self.inflight);
+                self.replicas[r as usize].refresh(&self.inflight, self.d_inflight);
                 self.push(t + self.cfg.view_delay_s * 1000.0, Ext::Refresh(r));
             }
         }
@@ -931,7 +940,7 @@ impl<'a> Sim<'a> {
                 arrival: t,
                 ..Conv::default()
             });
-            self.push(t, Ext::Arrive(idx));
+            self.events.push_arrival(t, Ext::Arrive(idx));
         }
         self.open = self.convs.len();
         if self.cfg.routers > 1 && self.cfg.view_delay_s > 0.0 {
@@ -944,16 +953,14 @@ impl<'a> Sim<'a> {
         }
         let mut ev = Vec::with_capacity(256);
         while self.open > 0 {
-            let te = self.heap.peek().map(|Reverse((k, _))| f64::from_bits(*k));
+            let te = self.events.next_time();
             let (tn, ni) = self.next_node().unwrap_or((f64::INFINITY, usize::MAX));
             match te {
                 Some(te) if te <= tn => {
-                    let Some(Reverse((_, s))) = self.heap.pop() else {
+                    let Some((t, e)) = self.events.pop() else {
                         break;
                     };
-                    if let Some((t, e)) = self.ext.remove(&s) {
-                        self.handle_ext(t, e)?;
-                    }
+                    self.handle_ext(t, e)?;
                 }
                 _ if ni != usize::MAX => {
                     self.nodes[ni].advance(tn, &mut ev);
@@ -1226,6 +1233,7 @@ pub fn simulate(
         roles,
         nodes,
         agenda: BinaryHeap::new(),
+        on_agenda: vec![u64::MAX; n],
         names: node_names(n),
         inflight: vec![0; n],
         d_inflight: 0,
@@ -1235,14 +1243,11 @@ pub fn simulate(
         t2_held: 0,
         t2_own_d: 0,
         t2_kv_found: 0,
-        place_scratch: Vec::new(),
         ps,
         ds,
         rs,
         replica_share,
-        heap: BinaryHeap::new(),
-        ext: AHashMap::new(),
-        seq: 0,
+        events: Events::new(),
         next_id: 0,
         reqs: AHashMap::new(),
         convs: Vec::new(),

@@ -31,6 +31,8 @@ pub(super) struct Replica {
     mine: Vec<u32>,
     /// The other replicas' requests in flight per node at the last refresh.
     others: Vec<u32>,
+    /// The load this replica sees summed over the decoding nodes.
+    seen_d_total: u64,
 }
 
 impl Replica {
@@ -43,23 +45,34 @@ impl Replica {
             rr_r: 0,
             mine: vec![0; nodes],
             others: vec![0; nodes],
+            seen_d_total: 0,
         }
     }
 
     /// Takes in the other replicas' load as it is now (`truth`: every
-    /// replica's requests in flight per node).
-    pub(super) fn refresh(&mut self, truth: &[u32]) {
+    /// replica's requests in flight per node; `truth_d_total`: their sum
+    /// over the decoding nodes).
+    pub(super) fn refresh(&mut self, truth: &[u32], truth_d_total: u64) {
         for ((o, &t), &m) in self.others.iter_mut().zip(truth).zip(&self.mine) {
             *o = t - m;
         }
+        self.seen_d_total = truth_d_total;
     }
 
-    pub(super) fn sent(&mut self, node: usize) {
+    /// One more request of this replica's on `node` (a decoding node or not).
+    pub(super) fn sent(&mut self, node: usize, decodes: bool) {
         self.mine[node] += 1;
+        self.seen_d_total += u64::from(decodes);
     }
 
-    pub(super) fn answered(&mut self, node: usize) {
+    pub(super) fn answered(&mut self, node: usize, decodes: bool) {
         self.mine[node] -= 1;
+        self.seen_d_total -= u64::from(decodes);
+    }
+
+    /// [`Replica::seen`] summed over the decoding nodes.
+    pub(super) fn seen_d_total(&self) -> u64 {
+        self.seen_d_total
     }
 
     /// The load of `node` as this replica sees it between refreshes.
@@ -88,24 +101,20 @@ pub(super) fn node_names(nodes: usize) -> Vec<String> {
 
 /// A new conversation's D: ppd-core's rendezvous hashing with bounded loads
 /// (the live router's rule) over the decoding nodes `ds`, with `load(node)`
-/// as the deciding replica sees it. Returns a node index.
+/// as the deciding replica sees it and `total` its sum over `ds`. Returns a
+/// node index.
 pub(super) fn place(
     key: u64,
     ds: &[usize],
     names: &[String],
     load: impl Fn(usize) -> u32,
-    scratch: &mut Vec<(usize, u64)>,
+    total: u64,
 ) -> usize {
-    scratch.clear();
-    scratch.extend(ds.iter().map(|&n| (n, u64::from(load(n)))));
-    let candidates: Vec<Candidate<'_>> = scratch
-        .iter()
-        .map(|&(n, load)| Candidate {
-            name: &names[n],
-            load,
-        })
-        .collect();
-    let i = placement::bounded(key, &candidates, DEFAULT_LOAD_BOUND)
+    let candidate = |i: usize| Candidate {
+        name: &names[ds[i]],
+        load: u64::from(load(ds[i])),
+    };
+    let i = placement::bounded_by(key, ds.len(), candidate, total, DEFAULT_LOAD_BOUND)
         .expect("a deployment with a pd path has a decoding node");
     ds[i]
 }
@@ -123,10 +132,11 @@ mod tests {
         ) {
             let names = node_names(loads.len());
             let ds: Vec<usize> = (0..loads.len()).collect();
-            let a = place(key, &ds, &names, |n| loads[n], &mut Vec::new());
+            let total = loads.iter().map(|&l| u64::from(l)).sum();
+            let a = place(key, &ds, &names, |n| loads[n], total);
             // Another replica lists the nodes in another order.
             let rev: Vec<usize> = ds.iter().rev().copied().collect();
-            let b = place(key, &rev, &names, |n| loads[n], &mut Vec::new());
+            let b = place(key, &rev, &names, |n| loads[n], total);
             prop_assert_eq!(a, b);
         }
 
@@ -138,13 +148,15 @@ mod tests {
             let mut r = Replica::new(test_router(), QpsEstimator::new(1000, 10).unwrap(), truth.len());
             for (n, &(_, m)) in truth_mine.iter().enumerate() {
                 for _ in 0..m {
-                    r.sent(n);
+                    r.sent(n, true);
                 }
             }
-            r.refresh(&truth);
+            let total = truth.iter().map(|&t| u64::from(t)).sum();
+            r.refresh(&truth, total);
             for (n, &t) in truth.iter().enumerate() {
                 prop_assert_eq!(r.seen(n), t);
             }
+            prop_assert_eq!(r.seen_d_total(), total);
         }
     }
 
@@ -160,11 +172,11 @@ mod tests {
     #[test]
     fn between_refreshes_a_replica_sees_its_own_sends_but_not_the_others() {
         let mut r = Replica::new(test_router(), QpsEstimator::new(1000, 10).unwrap(), 2);
-        r.refresh(&[3, 0]);
-        r.sent(1);
-        assert_eq!((r.seen(0), r.seen(1)), (3, 1));
-        r.answered(1);
-        assert_eq!(r.seen(1), 0);
+        r.refresh(&[3, 0], 3);
+        r.sent(1, true);
+        assert_eq!((r.seen(0), r.seen(1), r.seen_d_total()), (3, 1, 4));
+        r.answered(1, true);
+        assert_eq!((r.seen(1), r.seen_d_total()), (0, 3));
     }
 
     #[test]
