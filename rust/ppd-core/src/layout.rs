@@ -58,8 +58,27 @@ impl std::fmt::Display for Role {
     }
 }
 
-/// Parses a layout into its node roles, in the order written.
+/// The most nodes a live deployment takes (the router, the emulator and the
+/// launcher start or track a process or connection per node).
+pub const MAX_LIVE_NODES: usize = 256;
+/// The most nodes of one role in one group of a live layout.
+pub const MAX_LIVE_GROUP: usize = 64;
+/// The most nodes a simulated deployment takes: a virtual node costs only
+/// memory (its KV pool's bookkeeping, ~1.4 MB), so clusters of thousands fit.
+pub const MAX_SIM_NODES: usize = 4096;
+
+/// Parses a live deployment's layout into its node roles, in the order written.
 pub fn parse_layout(s: &str) -> Result<Vec<Role>, Error> {
+    parse_layout_within(s, MAX_LIVE_GROUP, MAX_LIVE_NODES)
+}
+
+/// Parses a simulated deployment's layout (the same notation, up to
+/// [`MAX_SIM_NODES`] nodes, e.g. `250P750pD`).
+pub fn parse_sim_layout(s: &str) -> Result<Vec<Role>, Error> {
+    parse_layout_within(s, MAX_SIM_NODES, MAX_SIM_NODES)
+}
+
+fn parse_layout_within(s: &str, max_group: usize, max_nodes: usize) -> Result<Vec<Role>, Error> {
     let bad = |why: &str| {
         Error::Config(format!(
             "layout {s:?}: {why}; expected e.g. 2P2pD, 1P_1D_2pD, 4R, 1R_1P_2D"
@@ -104,16 +123,16 @@ pub fn parse_layout(s: &str) -> Result<Vec<Role>, Error> {
             }
             _ => return Err(bad("expected P, D, pD or R after a count")),
         };
-        if count == 0 || count > 64 {
-            return Err(bad("each count must be 1–64"));
+        if count == 0 || count > max_group {
+            return Err(bad(&format!("each count must be 1–{max_group}")));
         }
         out.extend(std::iter::repeat_n(role, count));
     }
     if out.is_empty() {
         return Err(bad("no nodes"));
     }
-    if out.len() > 256 {
-        return Err(bad("more than 256 nodes"));
+    if out.len() > max_nodes {
+        return Err(bad(&format!("more than {max_nodes} nodes")));
     }
     Ok(out)
 }
@@ -131,6 +150,16 @@ mod tests {
         assert_eq!(parse_layout("4R").unwrap(), vec![R, R, R, R]);
         assert_eq!(parse_layout("1R_1P_2D").unwrap(), vec![R, P, D, D]);
         assert_eq!(parse_layout("P_D").unwrap(), vec![P, D]);
+    }
+
+    #[test]
+    fn a_simulated_cluster_takes_thousands_of_nodes_a_live_one_does_not() {
+        let big = parse_sim_layout("250P750pD").unwrap();
+        assert_eq!(big.len(), 1000);
+        assert_eq!(big.iter().filter(|r| **r == PD).count(), 750);
+        assert!(parse_layout("250P750pD").is_err());
+        let too_many = parse_sim_layout("4000P97pD").unwrap_err().to_string();
+        assert!(too_many.contains("more than 4096 nodes"), "{too_many}");
     }
 
     #[test]

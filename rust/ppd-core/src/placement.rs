@@ -33,15 +33,21 @@ pub fn score(key: u64, name: &str) -> u64 {
 /// The best-scoring candidate for `key` (a tie goes to the smaller name, so
 /// it too is the same everywhere).
 pub fn rendezvous(key: u64, nodes: &[Candidate<'_>]) -> Option<usize> {
-    best(key, nodes, |_| true)
+    best(key, nodes.len(), |i| nodes[i], |_| true)
 }
 
 /// The most load any node may carry when one more conversation arrives:
 /// `c` × the mean load after it, rounded up (at least 1, so an idle cluster
 /// places by score alone... once each node holds one, then the next).
 pub fn capacity(nodes: &[Candidate<'_>], c: f64) -> u64 {
-    let total: u64 = nodes.iter().map(|n| n.load).sum();
-    let mean_after = (total + 1) as f64 / nodes.len().max(1) as f64;
+    capacity_of(nodes.iter().map(|n| n.load).sum(), nodes.len(), c)
+}
+
+/// [`capacity`] from the candidates' total load and number, for a caller
+/// that keeps the total as loads change (the simulator's check of every
+/// placement against the true loads).
+pub fn capacity_of(total_load: u64, nodes: usize, c: f64) -> u64 {
+    let mean_after = (total_load + 1) as f64 / nodes.max(1) as f64;
     ((c.max(1.0) * mean_after).ceil() as u64).max(1)
 }
 
@@ -49,20 +55,37 @@ pub fn capacity(nodes: &[Candidate<'_>], c: f64) -> u64 {
 /// node in the key's score order with room. One pass, no allocation. Some
 /// node always has room, since the mean is under the capacity.
 pub fn bounded(key: u64, nodes: &[Candidate<'_>], c: f64) -> Option<usize> {
-    let cap = capacity(nodes, c);
-    best(key, nodes, |n| n.load < cap)
+    let total = nodes.iter().map(|n| n.load).sum();
+    bounded_by(key, nodes.len(), |i| nodes[i], total, c)
 }
 
-fn best(key: u64, nodes: &[Candidate<'_>], room: impl Fn(&Candidate<'_>) -> bool) -> Option<usize> {
-    nodes
-        .iter()
-        .enumerate()
-        .filter(|(_, n)| room(n))
-        .max_by(|(_, a), (_, b)| {
-            score(key, a.name)
-                .cmp(&score(key, b.name))
-                .then_with(|| b.name.cmp(a.name))
-        })
+/// [`bounded`] over `n` candidates given by `candidate(i)` whose loads sum
+/// to `total_load`, for a caller that keeps names and loads apart and the
+/// total as loads change (the simulator, placing hundreds of thousands of
+/// conversations over a thousand nodes: no slice to build, one pass).
+pub fn bounded_by<'a>(
+    key: u64,
+    n: usize,
+    candidate: impl Fn(usize) -> Candidate<'a>,
+    total_load: u64,
+    c: f64,
+) -> Option<usize> {
+    let cap = capacity_of(total_load, n, c);
+    best(key, n, candidate, |x| x.load < cap)
+}
+
+fn best<'a>(
+    key: u64,
+    n: usize,
+    candidate: impl Fn(usize) -> Candidate<'a>,
+    room: impl Fn(&Candidate<'a>) -> bool,
+) -> Option<usize> {
+    (0..n)
+        .map(|i| (i, candidate(i)))
+        .filter(|(_, x)| room(x))
+        // One hash per node (a comparator would hash both sides of every
+        // comparison): at a thousand nodes placement is this loop.
+        .max_by_key(|(_, x)| (score(key, x.name), std::cmp::Reverse(x.name)))
         .map(|(i, _)| i)
 }
 
@@ -110,6 +133,20 @@ mod tests {
             if before != gone {
                 prop_assert_eq!(before, after);
             }
+        }
+
+        #[test]
+        fn bounded_by_picks_what_bounded_picks(
+            key in any::<u64>(),
+            loads in proptest::collection::vec(0u64..50, 1..40),
+        ) {
+            let ns = names(loads.len());
+            let nodes: Vec<_> = ns.iter().zip(&loads).map(|(n, &l)| Candidate { name: n, load: l }).collect();
+            let total = loads.iter().sum();
+            prop_assert_eq!(
+                bounded_by(key, nodes.len(), |i| nodes[i], total, DEFAULT_LOAD_BOUND),
+                bounded(key, &nodes, DEFAULT_LOAD_BOUND)
+            );
         }
 
         #[test]

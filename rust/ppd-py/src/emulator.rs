@@ -8,7 +8,7 @@ use std::sync::Mutex;
 
 use ppd_core::builtin::{load_table, nearest_for};
 use ppd_core::catalog;
-use ppd_core::layout::parse_layout;
+use ppd_core::layout::{parse_layout, parse_sim_layout};
 use ppd_emulator::{ClusterThread, Faults, NodeConfig, Role};
 use ppd_model::sim::{self, SimConfig};
 
@@ -233,7 +233,8 @@ fn load_profile(name_or_path: &str) -> PyResult<String> {
 
 /// Runs one simulated point. `config_json` holds SimConfig's fields (deployment,
 /// policy, workload, qps, duration_s, seed, timeout_s, turns, w_ttft, w_tpot, and
-/// optionally conversations: per-turn [n_in, n_out] lists that replace the named workload);
+/// optionally conversations: per-turn [n_in, n_out] lists that replace the named workload,
+/// routers and view_delay_s: router replicas and the age of their view of load);
 /// `table` is a path or `builtin:h100-2P2pD` (default for `ppd`: the shipped table
 /// nearest the deployment, [`nearest_for`]).
 /// Returns the result as JSON (with `table` naming the table used, if any).
@@ -252,7 +253,7 @@ fn simulate(
     let spec = match table {
         Some(spec) => Some(spec.to_owned()),
         None if wants_table => {
-            let roles = parse_layout(&cfg.deployment).map_err(errors::from_core)?;
+            let roles = parse_sim_layout(&cfg.deployment).map_err(errors::from_core)?;
             Some(nearest_for(&roles).spec())
         }
         None => None,

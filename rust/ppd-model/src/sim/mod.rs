@@ -3,7 +3,9 @@
 //! Poisson workloads, reporting the metrics of the measured result files.
 //!
 //! One point (deployment × policy × workload × QPS) is one deterministic run;
-//! [`run_grid`] spreads many points over threads.
+//! [`run_grid`] spreads many points over threads. Several router replicas,
+//! each with its own delayed view of load, share a cluster of up to
+//! [`ppd_core::layout::MAX_SIM_NODES`] nodes (`replicas`).
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
@@ -12,7 +14,8 @@ use ahash::AHashMap;
 use serde::{Deserialize, Serialize};
 
 use ppd_core::catalog::Workload;
-use ppd_core::layout::{parse_layout, Role};
+use ppd_core::layout::{parse_sim_layout, Role};
+use ppd_core::placement::{capacity_of, DEFAULT_LOAD_BOUND};
 use ppd_core::qps::QpsEstimator;
 use ppd_core::{
     DecisionEngine, DecisionInput, Error, LiveView, Path, PolicyKind, Slo, Table, Weights,
@@ -20,6 +23,11 @@ use ppd_core::{
 
 use crate::engine::{mix64, Content, Engine, Event, Finish, Kind, Submit};
 use crate::profile::Profile;
+
+mod events;
+mod replicas;
+use events::{time_key, Events};
+use replicas::{node_names, place, replica_for, Replica};
 
 /// One simulated point. Times in seconds, as on the command line.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -57,6 +65,20 @@ pub struct SimConfig {
     /// corrections have to find it out.
     #[serde(default = "one")]
     pub node_slowdown: f64,
+    /// Router replicas, each routing its own share of the requests (each
+    /// turn reaches one uniformly at random). One is the single router of
+    /// the committed results: new conversations' D by round-robin, every
+    /// node's load exact. Several place a new conversation as the live
+    /// router does, by `ppd_core::placement::bounded` over their own delayed
+    /// view of load (`replicas`); each keeps its own QPS estimate and
+    /// cost-model corrections.
+    #[serde(default = "one_router")]
+    pub routers: u32,
+    /// With several routers, how old the other replicas' load may be in a
+    /// replica's view: each refreshes it every this many seconds (the live
+    /// router scrapes its nodes every 1 s); 0 = every decision sees the true load.
+    #[serde(default = "default_view_delay")]
+    pub view_delay_s: f64,
 }
 
 fn default_duration() -> f64 {
@@ -69,6 +91,12 @@ fn default_turns() -> u32 {
     2
 }
 fn one() -> f64 {
+    1.0
+}
+fn one_router() -> u32 {
+    1
+}
+fn default_view_delay() -> f64 {
     1.0
 }
 
@@ -88,6 +116,8 @@ impl SimConfig {
             conversations: None,
             slo: None,
             node_slowdown: 1.0,
+            routers: one_router(),
+            view_delay_s: default_view_delay(),
         }
     }
 }
@@ -149,6 +179,24 @@ pub struct SimResult {
     /// Recompute-preemptions over all nodes (a KV pool that ran full).
     #[serde(default)]
     pub preemptions: u64,
+    /// New conversations placed on the decoding node that got the most,
+    /// over the mean per decoding node (1 = perfectly even).
+    #[serde(default)]
+    pub placement_max_over_mean: f64,
+    /// Share of placements that, by the true loads of that moment, put a
+    /// conversation on a node at or above the bounded-load capacity (what
+    /// stale views cost; 0 when every replica sees the true load).
+    #[serde(default)]
+    pub placements_over_bound: f64,
+    /// Share of Turn 2+ requests of conversations held on a D that went to
+    /// that D (below 1 only where the conversation lost its key and was
+    /// placed afresh).
+    #[serde(default)]
+    pub turn2_on_own_d: f64,
+    /// Share of the same requests whose D held at least half their context
+    /// in its prefix cache when routed (the router's `not_resident` line).
+    #[serde(default)]
+    pub turn2_kv_found: f64,
 }
 
 /// A placeholder table for policies that never consult one.
@@ -197,6 +245,10 @@ struct Conv {
     /// The cost model's uncorrected and corrected TTFT for the path taken,
     /// with what the correction is keyed by (node, path, computed tokens).
     predicted: Option<Predicted>,
+    /// The replica that routed the current turn.
+    replica: u32,
+    /// The node whose in-flight count holds the current turn, until answered.
+    counted: Option<usize>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -233,6 +285,8 @@ enum Ext {
         conv: u32,
         turn: u32,
     },
+    /// A router replica refreshes its view of the other replicas' load.
+    Refresh(u32),
 }
 
 #[derive(Default)]
@@ -285,20 +339,34 @@ struct Sim<'a> {
     p: &'a Profile,
     /// Per-turn (n_in, n_out) of each distinct conversation shape.
     specs: Vec<Vec<(u32, u32)>>,
-    router: DecisionEngine,
-    qps: QpsEstimator,
+    replicas: Vec<Replica>,
     roles: Vec<Role>,
     nodes: Vec<Engine>,
+    /// Nodes by the time of their next internal event (stale entries, whose
+    /// time is no longer the node's, are skipped): the next node to advance
+    /// without scanning them all.
+    agenda: BinaryHeap<Reverse<(u64, usize)>>,
+    /// Each node's time on the agenda (`u64::MAX`: none), so that a node
+    /// touched without its time moving is not queued again.
+    on_agenda: Vec<u64>,
+    names: Vec<String>,
+    /// Requests routed to each node and not yet answered, over all replicas.
+    inflight: Vec<u32>,
+    /// The same summed over the decoding nodes (the placement candidates).
+    d_inflight: u64,
+    /// New conversations placed on each node.
+    placed: Vec<u32>,
+    placements: u64,
+    over_bound: u64,
+    /// Turn 2+ requests of conversations held on a D; of those, sent to it; whose D held their KV.
+    t2_held: u64,
+    t2_own_d: u64,
+    t2_kv_found: u64,
     ps: Vec<usize>,
     ds: Vec<usize>,
     rs: Vec<usize>,
-    rr_p: usize,
-    rr_d: usize,
-    rr_r: usize,
     replica_share: f64,
-    heap: BinaryHeap<Reverse<(u64, u64)>>,
-    ext: AHashMap<u64, (f64, Ext)>,
-    seq: u64,
+    events: Events<Ext>,
     next_id: u64,
     reqs: AHashMap<u64, ReqInfo>,
     convs: Vec<Conv>,
@@ -323,16 +391,9 @@ struct Sim<'a> {
     prediction_errors: Vec<f64>,
 }
 
-/// Orders f64 times in the heap (all times are finite and ≥ 0).
-fn time_key(t: f64) -> u64 {
-    t.max(0.0).to_bits()
-}
-
 impl<'a> Sim<'a> {
     fn push(&mut self, t: f64, e: Ext) {
-        self.seq += 1;
-        self.heap.push(Reverse((time_key(t), self.seq)));
-        self.ext.insert(self.seq, (t, e));
+        self.events.push(t, e);
     }
 
     fn pick(list: &[usize], rr: &mut usize) -> usize {
@@ -407,7 +468,8 @@ impl<'a> Sim<'a> {
             node: n as u32,
             ..self.nodes[n].load_view()
         };
-        let p = (!self.ps.is_empty()).then(|| self.ps[self.rr_p % self.ps.len()]);
+        let rr_p = self.replicas[self.convs[conv as usize].replica as usize].rr_p;
+        let p = (!self.ps.is_empty()).then(|| self.ps[rr_p % self.ps.len()]);
         LiveView {
             d: view(d),
             p: p.map(view),
@@ -425,6 +487,9 @@ impl<'a> Sim<'a> {
         c.start = if c.turn == 1 { c.arrival } else { t };
         c.first_token = None;
         let turn = c.turn;
+        let r = replica_for(c.key, turn, self.cfg.routers);
+        c.replica = r as u32;
+        let held_by = c.d.filter(|_| turn > 1 && c_d_holds(c));
         let n_ctx = c.context;
         let (n_in, n_out) = self.specs[c.spec as usize][turn as usize - 1];
         let prompt = n_ctx + n_in;
@@ -440,7 +505,8 @@ impl<'a> Sim<'a> {
             c.on_replica = false;
         }
         let seen_turn = if rekeyed { 1 } else { turn };
-        let mut input = DecisionInput::turn(seen_turn, n_in, n_out, n_ctx, self.qps.rate(t as u64));
+        let qps = self.replicas[r].qps.rate(t as u64);
+        let mut input = DecisionInput::turn(seen_turn, n_in, n_out, n_ctx, qps);
         input.conv_hash = if rekeyed {
             mix64(c.key ^ u64::from(turn))
         } else {
@@ -457,7 +523,7 @@ impl<'a> Sim<'a> {
         if let Some(d) = holder.filter(|_| c_d_holds(&self.convs[conv as usize])) {
             input.live = Some(self.live_view(conv, d, prompt));
         }
-        let route = self.router.decide(&input)?;
+        let route = self.replicas[r].router.decide(&input)?;
         self.convs[conv as usize].predicted = Self::predicted(&route, &input);
         if turn > 1 {
             self.decided2 += 1;
@@ -468,7 +534,8 @@ impl<'a> Sim<'a> {
         }
         self.sent += 1;
         let timeout = self.cfg.timeout_s * 1000.0;
-        self.push(t + timeout, Ext::Timeout { conv, turn });
+        self.events
+            .push_timeout(t + timeout, Ext::Timeout { conv, turn });
         let t = t + self.hop();
         match route.path {
             Path::Replica => {
@@ -481,16 +548,19 @@ impl<'a> Sim<'a> {
                 let c = &mut self.convs[conv as usize];
                 let node = match (c.on_replica, c.d) {
                     (true, Some(r)) => r,
-                    _ => Self::pick(&self.rs, &mut self.rr_r),
+                    _ => Self::pick(&self.rs, &mut self.replicas[r].rr_r),
                 };
                 let c = &mut self.convs[conv as usize];
                 c.on_replica = true;
                 c.d = Some(node);
+                self.count_in(conv, node);
                 self.submit_at(t, node, conv, Stage::Final, prompt, n_out, Kind::Local, 0);
             }
             Path::Local => {
                 self.local += 1;
                 let node = self.convs[conv as usize].d.unwrap_or(self.ds[0]);
+                self.count_in(conv, node);
+                self.note_turn2(conv, held_by, node, prompt);
                 let t = t + self.p.api.local_path_extra_ms;
                 self.submit_at(t, node, conv, Stage::Final, prompt, n_out, Kind::Local, 0);
             }
@@ -501,13 +571,15 @@ impl<'a> Sim<'a> {
                         self.cfg.deployment
                     )));
                 }
-                let p = Self::pick(&self.ps, &mut self.rr_p);
+                let p = Self::pick(&self.ps, &mut self.replicas[r].rr_p);
                 let d = match self.convs[conv as usize].d {
                     Some(d) if !self.convs[conv as usize].on_replica => d,
-                    _ => Self::pick(&self.ds, &mut self.rr_d),
+                    _ => self.place_new(conv, r),
                 };
                 self.convs[conv as usize].d = Some(d);
-                if turn == 1 && self.router.policy().sees_load() {
+                self.count_in(conv, d);
+                self.note_turn2(conv, held_by, d, prompt);
+                if turn == 1 && self.replicas[r].router.policy().sees_load() {
                     // A Turn 1 is a pd prefill on P: its TTFT teaches P's
                     // corrections before any Turn 2 asks for them.
                     self.convs[conv as usize].predicted = Some(Predicted {
@@ -547,6 +619,101 @@ impl<'a> Sim<'a> {
         })
     }
 
+    /// A new conversation's D (or one that lost its key): round-robin with
+    /// one router, as the committed results were simulated; with several,
+    /// the live router's bounded-load rendezvous on the conversation's
+    /// stable key (`ConversationId::placement_key`), over the deciding
+    /// replica's view of load.
+    fn place_new(&mut self, conv: u32, r: usize) -> usize {
+        let d = if self.cfg.routers <= 1 {
+            Self::pick(&self.ds, &mut self.replicas[r].rr_d)
+        } else {
+            let key = self.convs[conv as usize].key;
+            let (replica, truth) = (&self.replicas[r], &self.inflight);
+            if self.cfg.view_delay_s <= 0.0 {
+                place(key, &self.ds, &self.names, |n| truth[n], self.d_inflight)
+            } else {
+                let total = replica.seen_d_total();
+                place(key, &self.ds, &self.names, |n| replica.seen(n), total)
+            }
+        };
+        // Checked against the true loads, whatever the replica saw.
+        let cap = capacity_of(self.d_inflight, self.ds.len(), DEFAULT_LOAD_BOUND);
+        self.over_bound += u64::from(u64::from(self.inflight[d]) >= cap);
+        self.placements += 1;
+        self.placed[d] += 1;
+        d
+    }
+
+    /// The turn's request now counts on `node`'s load, for every replica's
+    /// next refresh and exactly for the replica that routed it.
+    fn count_in(&mut self, conv: u32, node: usize) {
+        let c = &mut self.convs[conv as usize];
+        c.counted = Some(node);
+        self.inflight[node] += 1;
+        let decodes = self.roles[node].decodes();
+        self.d_inflight += u64::from(decodes);
+        self.replicas[c.replica as usize].sent(node, decodes);
+    }
+
+    /// The turn is answered (or given up): its node's load drops.
+    fn count_out(&mut self, conv: u32) {
+        let c = &mut self.convs[conv as usize];
+        let Some(node) = c.counted.take() else {
+            return;
+        };
+        self.inflight[node] -= 1;
+        let decodes = self.roles[node].decodes();
+        self.d_inflight -= u64::from(decodes);
+        self.replicas[c.replica as usize].answered(node, decodes);
+    }
+
+    /// Where a Turn 2+ of a conversation held on D `held_by` went: to that
+    /// D or not, and whether the D it went to held its context.
+    fn note_turn2(&mut self, conv: u32, held_by: Option<usize>, d: usize, prompt: u32) {
+        let Some(held_by) = held_by else {
+            return;
+        };
+        self.t2_held += 1;
+        self.t2_own_d += u64::from(d == held_by);
+        let n_ctx = self.convs[conv as usize].context;
+        let content = self.content(conv, prompt);
+        let cached = self.nodes[d].cached_prefix(&content, prompt);
+        self.t2_kv_found += u64::from(2 * u64::from(cached) >= u64::from(n_ctx));
+    }
+
+    /// Puts `node`'s next internal event on the agenda (after anything that
+    /// may have moved it).
+    fn touch(&mut self, node: usize) {
+        let key = self.nodes[node]
+            .next_event_time()
+            .map_or(u64::MAX, time_key);
+        if key != self.on_agenda[node] {
+            self.on_agenda[node] = key;
+            if key != u64::MAX {
+                self.agenda.push(Reverse((key, node)));
+            }
+            // Entries a node left behind far ahead (an idle P's lease expiry
+            // minutes away) would pile up: drop them once they outnumber the nodes.
+            if self.agenda.len() > 4 * self.nodes.len() + 1024 {
+                let on = &self.on_agenda;
+                self.agenda.retain(|&Reverse((k, n))| on[n] == k);
+            }
+        }
+    }
+
+    /// The node whose internal event comes next, and its time (the lowest
+    /// index among equal times, as a scan in node order finds it).
+    fn next_node(&mut self) -> Option<(f64, usize)> {
+        while let Some(&Reverse((k, n))) = self.agenda.peek() {
+            if self.on_agenda[n] == k {
+                return Some((f64::from_bits(k), n));
+            }
+            self.agenda.pop();
+        }
+        None
+    }
+
     fn start_conversation(&mut self, t: f64, conv: u32) -> Result<(), Error> {
         self.in_flight += 1;
         self.send(t, conv)
@@ -570,7 +737,8 @@ impl<'a> Sim<'a> {
     fn handle_ext(&mut self, t: f64, e: Ext) -> Result<(), Error> {
         match e {
             Ext::Arrive(conv) => {
-                self.qps.record(t as u64);
+                let r = replica_for(self.convs[conv as usize].key, 1, self.cfg.routers);
+                self.replicas[r].qps.record(t as u64);
                 let cap = self.p.harness.max_conversations;
                 if cap > 0 && self.in_flight >= cap {
                     self.queue.push_back(conv);
@@ -594,6 +762,7 @@ impl<'a> Sim<'a> {
                 self.convs[conv as usize].cur = Some((node, id));
                 let mut ev = std::mem::take(&mut self.ev);
                 let r = self.nodes[node].submit(t, req, &mut ev);
+                self.touch(node);
                 if let Err(e) = r {
                     self.ev = ev;
                     return Err(Error::Config(format!(
@@ -607,6 +776,7 @@ impl<'a> Sim<'a> {
             Ext::Release { node, id } => {
                 let mut ev = std::mem::take(&mut self.ev);
                 self.nodes[node].take_hold(t, id, &mut ev);
+                self.touch(node);
                 self.handle_events(node, &mut ev)?;
                 self.ev = ev;
             }
@@ -618,18 +788,25 @@ impl<'a> Sim<'a> {
                 self.failed += 1;
                 let cur = c.cur;
                 let hold = c.hold;
+                self.count_out(conv);
                 let mut ev = std::mem::take(&mut self.ev);
                 if let Some((node, id)) = cur {
                     self.reqs.remove(&id);
                     self.nodes[node].abort(t, id, &mut ev);
+                    self.touch(node);
                     self.handle_events(node, &mut ev)?;
                 }
                 if let Some((node, id)) = hold {
                     self.nodes[node].take_hold(t, id, &mut ev);
+                    self.touch(node);
                     self.handle_events(node, &mut ev)?;
                 }
                 self.ev = ev;
                 self.end_conversation(t, conv)?;
+            }
+            Ext::Refresh(r) => {
+                self.replicas[r as usize].refresh(&self.inflight, self.d_inflight);
+                self.push(t + self.cfg.view_delay_s * 1000.0, Ext::Refresh(r));
             }
         }
         Ok(())
@@ -703,7 +880,8 @@ impl<'a> Sim<'a> {
                                 }
                             }
                             if let Some(pr) = c.predicted.take() {
-                                if let Some(m) = self.router.cost_model() {
+                                let router = &self.replicas[c.replica as usize].router;
+                                if let Some(m) = router.cost_model() {
                                     // From the router's send: a Turn 1's TTFT includes the client's queue.
                                     m.observe(
                                         pr.path,
@@ -727,7 +905,9 @@ impl<'a> Sim<'a> {
                             c.cur = None;
                             self.last_done = self.last_done.max(t);
                             let _ = r.node;
-                            if (turn as usize) < self.specs[c.spec as usize].len() {
+                            let more = (turn as usize) < self.specs[c.spec as usize].len();
+                            self.count_out(conv);
+                            if more {
                                 self.push(t, Ext::Send(conv));
                             } else {
                                 self.end_conversation(t, conv)?;
@@ -760,33 +940,31 @@ impl<'a> Sim<'a> {
                 arrival: t,
                 ..Conv::default()
             });
-            self.push(t, Ext::Arrive(idx));
+            self.events.push_arrival(t, Ext::Arrive(idx));
         }
         self.open = self.convs.len();
+        if self.cfg.routers > 1 && self.cfg.view_delay_s > 0.0 {
+            // Independent timers: the replicas' refreshes spread over one period.
+            let period = self.cfg.view_delay_s * 1000.0;
+            for r in 0..self.cfg.routers {
+                let phase = period * f64::from(r) / f64::from(self.cfg.routers);
+                self.push(phase, Ext::Refresh(r));
+            }
+        }
         let mut ev = Vec::with_capacity(256);
         while self.open > 0 {
-            let te = self.heap.peek().map(|Reverse((k, _))| f64::from_bits(*k));
-            let mut tn = f64::INFINITY;
-            let mut ni = usize::MAX;
-            for (i, n) in self.nodes.iter().enumerate() {
-                if let Some(x) = n.next_event_time() {
-                    if x < tn {
-                        tn = x;
-                        ni = i;
-                    }
-                }
-            }
+            let te = self.events.next_time();
+            let (tn, ni) = self.next_node().unwrap_or((f64::INFINITY, usize::MAX));
             match te {
                 Some(te) if te <= tn => {
-                    let Some(Reverse((_, s))) = self.heap.pop() else {
+                    let Some((t, e)) = self.events.pop() else {
                         break;
                     };
-                    if let Some((t, e)) = self.ext.remove(&s) {
-                        self.handle_ext(t, e)?;
-                    }
+                    self.handle_ext(t, e)?;
                 }
                 _ if ni != usize::MAX => {
                     self.nodes[ni].advance(tn, &mut ev);
+                    self.touch(ni);
                     self.handle_events(ni, &mut ev)?;
                 }
                 _ => break,
@@ -842,11 +1020,39 @@ impl<'a> Sim<'a> {
                 e.sort_by(f64::total_cmp);
                 percentile(&e, 50.0)
             },
+            placement_max_over_mean: max_over_mean(self.ds.iter().map(|&d| self.placed[d])),
+            placements_over_bound: share(self.over_bound, self.placements),
+            turn2_on_own_d: share(self.t2_own_d, self.t2_held),
+            turn2_kv_found: share(self.t2_kv_found, self.t2_held),
             total_requests: self.sent,
             failed_requests: self.failed,
             conversations: self.convs.len() as u64,
             duration_s: dur_ms / 1000.0,
         })
+    }
+}
+
+/// `part / whole`, 0 for nothing counted.
+fn share(part: u64, whole: u64) -> f64 {
+    if whole == 0 {
+        0.0
+    } else {
+        part as f64 / whole as f64
+    }
+}
+
+/// The largest count over the mean count (0 when nothing was counted).
+fn max_over_mean(counts: impl Iterator<Item = u32>) -> f64 {
+    let (mut n, mut sum, mut max) = (0u64, 0u64, 0u32);
+    for c in counts {
+        n += 1;
+        sum += u64::from(c);
+        max = max.max(c);
+    }
+    if sum == 0 {
+        0.0
+    } else {
+        f64::from(max) * n as f64 / sum as f64
     }
 }
 
@@ -934,7 +1140,7 @@ pub fn simulate(
         ));
     }
     let specs = conversation_specs(cfg, profile)?;
-    let roles = parse_layout(&cfg.deployment)?;
+    let roles = parse_sim_layout(&cfg.deployment)?;
     let kind = PolicyKind::parse(&cfg.policy)?;
     let table = match (kind, table) {
         (_, Some(t)) => t.clone(),
@@ -945,11 +1151,33 @@ pub fn simulate(
         }
         _ => placeholder_table()?,
     };
-    let router = DecisionEngine::new(table, kind, Weights::new(cfg.w_ttft, cfg.w_tpot)?);
-    router.set_cost_model(std::sync::Arc::new(ppd_core::CostModel::new(
-        profile.clone(),
-    )));
-    router.set_slo(cfg.slo);
+    if cfg.routers == 0 || cfg.routers > 64 {
+        return Err(Error::Config(format!(
+            "routers must be 1–64, got {}",
+            cfg.routers
+        )));
+    }
+    if !cfg.view_delay_s.is_finite() || !(0.0..=3600.0).contains(&cfg.view_delay_s) {
+        return Err(Error::Config(format!(
+            "view_delay must be in [0, 3600] s, got {}",
+            cfg.view_delay_s
+        )));
+    }
+    let weights = Weights::new(cfg.w_ttft, cfg.w_tpot)?;
+    let replicas = (0..cfg.routers)
+        .map(|_| {
+            let router = DecisionEngine::new(table.clone(), kind, weights);
+            router.set_cost_model(std::sync::Arc::new(ppd_core::CostModel::new(
+                profile.clone(),
+            )));
+            router.set_slo(cfg.slo);
+            Ok(Replica::new(
+                router,
+                QpsEstimator::new(10_000, 100)?,
+                roles.len(),
+            ))
+        })
+        .collect::<Result<Vec<_>, Error>>()?;
     let idx = |f: fn(Role) -> bool| -> Vec<usize> {
         roles
             .iter()
@@ -996,24 +1224,30 @@ pub fn simulate(
         .iter()
         .map(|_| Engine::new(&node_profile, false))
         .collect();
+    let n = roles.len();
     let sim = Sim {
         cfg,
         p: profile,
         specs,
-        router,
-        qps: QpsEstimator::new(10_000, 100)?,
+        replicas,
         roles,
         nodes,
+        agenda: BinaryHeap::new(),
+        on_agenda: vec![u64::MAX; n],
+        names: node_names(n),
+        inflight: vec![0; n],
+        d_inflight: 0,
+        placed: vec![0; n],
+        placements: 0,
+        over_bound: 0,
+        t2_held: 0,
+        t2_own_d: 0,
+        t2_kv_found: 0,
         ps,
         ds,
         rs,
-        rr_p: 0,
-        rr_d: 0,
-        rr_r: 0,
         replica_share,
-        heap: BinaryHeap::new(),
-        ext: AHashMap::new(),
-        seq: 0,
+        events: Events::new(),
         next_id: 0,
         reqs: AHashMap::new(),
         convs: Vec::new(),
@@ -1067,5 +1301,7 @@ pub fn run_grid(
         .collect()
 }
 
+#[cfg(test)]
+mod golden;
 #[cfg(test)]
 mod tests;

@@ -8,7 +8,7 @@ fn profile() -> Profile {
     p
 }
 
-fn run(dep: &str, policy: &str, wl: &str, qps: f64) -> SimResult {
+pub(super) fn run(dep: &str, policy: &str, wl: &str, qps: f64) -> SimResult {
     simulate(&SimConfig::new(dep, policy, wl, qps), &profile(), None).unwrap()
 }
 
@@ -132,6 +132,18 @@ fn bad_configs_are_errors_not_panics() {
         SimConfig::new("2P2pD", "ppd", "small_tiny", 1.0),
         SimConfig::new("2P2pD", "replica", "small_tiny", 1.0),
         SimConfig::new("2D", "local", "small_tiny", 1.0),
+        SimConfig {
+            routers: 0,
+            ..SimConfig::new("2P2pD", "local", "small_tiny", 1.0)
+        },
+        SimConfig {
+            routers: 65,
+            ..SimConfig::new("2P2pD", "local", "small_tiny", 1.0)
+        },
+        SimConfig {
+            view_delay_s: -1.0,
+            ..SimConfig::new("2P2pD", "local", "small_tiny", 1.0)
+        },
     ] {
         assert!(simulate(&c, &p, None).is_err(), "{c:?}");
     }
@@ -352,4 +364,84 @@ fn a_new_conversation_share_outside_0_1_is_refused() {
     p.harness.new_conversation_share = 1.5;
     let c = SimConfig::new("1P_3pD", "local", "small_tiny", 1.0);
     assert!(simulate(&c, &p, None).is_err());
+}
+
+/// A point routed by `routers` replicas whose view of load is `delay_s` old.
+fn replicated(dep: &str, qps: f64, routers: u32, delay_s: f64) -> SimConfig {
+    SimConfig {
+        routers,
+        view_delay_s: delay_s,
+        duration_s: 20.0,
+        ..SimConfig::new(dep, "local", "small_mid_bal", qps)
+    }
+}
+
+#[test]
+fn with_three_routers_and_exact_views_every_turn2_goes_to_its_conversations_d() {
+    let r = simulate(&replicated("2P6pD", 30.0, 3, 0.0), &profile(), None).unwrap();
+    assert!(r.turn2plus.count > 300, "{}", r.turn2plus.count);
+    assert_eq!(r.turn2_on_own_d, 1.0);
+    assert_eq!(r.local_share, 1.0);
+    assert!(r.turn2_kv_found > 0.99, "{}", r.turn2_kv_found);
+}
+
+#[test]
+fn exact_views_keep_every_placement_within_the_load_bound() {
+    let r = simulate(&replicated("2P6pD", 30.0, 3, 0.0), &profile(), None).unwrap();
+    assert_eq!(r.placements_over_bound, 0.0);
+    // Over the run each node's share of conversations stays near the mean.
+    assert!(
+        (1.0..=DEFAULT_LOAD_BOUND).contains(&r.placement_max_over_mean),
+        "{}",
+        r.placement_max_over_mean
+    );
+}
+
+#[test]
+fn stale_views_place_over_the_bound_that_exact_views_keep() {
+    // Hot enough that loads move within a view's age.
+    let fresh = simulate(&replicated("1P3pD", 40.0, 8, 0.0), &profile(), None).unwrap();
+    let stale = simulate(&replicated("1P3pD", 40.0, 8, 5.0), &profile(), None).unwrap();
+    assert_eq!(fresh.placements_over_bound, 0.0);
+    assert!(stale.placements_over_bound > 0.0);
+}
+
+#[test]
+fn placement_brings_a_conversation_that_lost_its_key_back_to_its_d() {
+    // The measured proxy re-keyed some Turn 2s; round-robin sends them
+    // anywhere, placement by the conversation's stable key home unless the
+    // load bound turns it away (often, with a handful in flight per node).
+    let mut p = profile();
+    p.harness.new_conversation_share = 0.5;
+    let one = simulate(&replicated("2P6pD", 10.0, 1, 1.0), &p, None).unwrap();
+    let three = simulate(&replicated("2P6pD", 10.0, 3, 1.0), &p, None).unwrap();
+    assert!(one.turn2_on_own_d < 0.7, "{}", one.turn2_on_own_d);
+    assert!(
+        three.turn2_on_own_d > one.turn2_on_own_d + 0.15,
+        "{} vs {}",
+        three.turn2_on_own_d,
+        one.turn2_on_own_d
+    );
+}
+
+#[test]
+fn a_cluster_past_the_live_layout_limit_simulates() {
+    let c = SimConfig {
+        routers: 8,
+        duration_s: 1.0,
+        ..SimConfig::new("100P300pD", "local", "small_tiny", 200.0)
+    };
+    let r = simulate(&c, &profile(), None).unwrap();
+    assert_eq!(r.success_rate, 1.0);
+    assert!(r.conversations > 150, "{}", r.conversations);
+}
+
+#[test]
+fn a_config_without_the_replica_fields_is_one_router_with_a_1s_view() {
+    let c: SimConfig = serde_json::from_str(
+        r#"{"deployment": "2P2pD", "policy": "local", "workload": "small_tiny", "qps": 1}"#,
+    )
+    .unwrap();
+    assert_eq!(c, SimConfig::new("2P2pD", "local", "small_tiny", 1.0));
+    assert_eq!((c.routers, c.view_delay_s), (1, 1.0));
 }
