@@ -20,7 +20,6 @@ import httpx
 import orjson
 
 from ppd_router import _core
-
 from ppd_router.bench.client import BenchConfig, RunState, chat_url, run
 from ppd_router.bench.metrics import SWEEP_COLUMNS, csv_row, percentile
 from ppd_router.bench.workloads import (
