@@ -6,19 +6,158 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use ppd_core::builtin::load_table;
+use ppd_core::table::Table;
 use ppd_core::{PolicyKind, Role, Weights};
 
 use crate::error::openai_error;
 use crate::intake::read_within;
-use crate::registry::Source;
+use crate::registry::{Node, Source};
 use crate::state::AppState;
+
+/// An admin change, as the admin API makes it and as [`apply`] applies it:
+/// on this replica, and (through the state store, shared.rs) on the others.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub(crate) enum Change {
+    Weights {
+        w_ttft: f64,
+        w_tpot: f64,
+    },
+    Policy {
+        policy: String,
+    },
+    /// The table's content, not its path: replicas need not share a file system.
+    Table {
+        source: String,
+        table: String,
+    },
+    NodeAdded {
+        url: String,
+        role: String,
+        zmq_address: Option<String>,
+        kv_events: Option<String>,
+    },
+    NodeRemoved {
+        url: String,
+    },
+}
+
+impl Change {
+    /// What the change sets: a later change of the same subject replaces it
+    /// (weights, policy and table are one each; nodes one per URL).
+    pub(crate) fn subject(&self) -> String {
+        match self {
+            Change::Weights { .. } => "weights".into(),
+            Change::Policy { .. } => "policy".into(),
+            Change::Table { .. } => "table".into(),
+            Change::NodeAdded { url, .. } | Change::NodeRemoved { url } => {
+                format!("node:{}", url.trim_end_matches('/'))
+            }
+        }
+    }
+}
+
+/// Applies a change from another replica (shared.rs) through the same
+/// functions the admin API uses, one per kind. Every value is checked again:
+/// what comes from the state store is input like a request body.
+pub(crate) fn apply(st: &Arc<AppState>, change: &Change, by: &str) -> Result<(), String> {
+    match change {
+        Change::Weights { w_ttft, w_tpot } => set_weights_now(st, *w_ttft, *w_tpot, by).map(drop),
+        Change::Policy { policy } => set_policy_now(st, policy, by).map(drop),
+        Change::Table { source, table } => {
+            let t = Table::from_json(table, source).map_err(|e| e.to_string())?;
+            set_table_now(st, t, source, by);
+            Ok(())
+        }
+        Change::NodeAdded {
+            url,
+            role,
+            zmq_address,
+            kv_events,
+        } => add_node_now(st, url, role, zmq_address, kv_events).map(drop),
+        Change::NodeRemoved { url } => {
+            crate::membership::deregister_node(st, url);
+            Ok(())
+        }
+    }
+}
+
+fn set_weights_now(st: &AppState, w_ttft: f64, w_tpot: f64, by: &str) -> Result<Weights, String> {
+    let w = Weights::new(w_ttft, w_tpot).map_err(|e| e.to_string())?;
+    st.engine.set_weights(w);
+    tracing::info!(
+        w_ttft = w.w_ttft,
+        w_tpot = w.w_tpot,
+        by,
+        "admin: weights set"
+    );
+    Ok(w)
+}
+
+fn set_policy_now(st: &AppState, policy: &str, by: &str) -> Result<PolicyKind, String> {
+    let p = PolicyKind::parse(policy).map_err(|e| e.to_string())?;
+    st.engine.set_policy(p);
+    tracing::info!(policy = %p, by, "admin: policy set");
+    Ok(p)
+}
+
+/// Puts a (valid) table in force; returns its number of cells.
+fn set_table_now(st: &AppState, t: Table, source: &str, by: &str) -> usize {
+    let cells = t.doc().cells.len();
+    st.engine.set_table(t);
+    tracing::info!(table = %source, cells, by, "admin: table reloaded");
+    *st.table_spec.lock() = source.to_owned();
+    cells
+}
+
+/// Registers a node of `role` at `url` (with its P2pNccl and KV-event
+/// addresses); the node and whether it is new.
+fn add_node_now(
+    st: &Arc<AppState>,
+    url: &str,
+    role: &str,
+    zmq_address: &Option<String>,
+    kv_events: &Option<String>,
+) -> Result<(Arc<Node>, bool), String> {
+    let Ok(r) = Role::parse(role) else {
+        return Err(format!("role {role:?}: expected P, D, pD or R"));
+    };
+    let spec = crate::config::NodeSpec {
+        zmq: zmq_address.clone(),
+        kv_events: kv_events.clone(),
+        ..crate::config::parse_node("url", url).map_err(|e| e.to_string())?
+    };
+    Ok(crate::membership::register_node(
+        st,
+        &spec,
+        r,
+        Source::Admin,
+    ))
+}
+
+/// Who applies a change made through this replica's admin API (the log's `by`).
+const BY_ADMIN_API: &str = "admin API";
+
+/// An admin answer: `body`, with what became of sharing `change` when the
+/// router shares its state (`"shared": {...}`; absent otherwise).
+async fn answer(
+    st: &AppState,
+    status: StatusCode,
+    change: Change,
+    mut body: serde_json::Value,
+) -> Response {
+    if let Some(shared) = &st.shared {
+        body["shared"] = shared.share(change).await.to_json();
+    }
+    (status, Json(body)).into_response()
+}
 
 pub fn routes() -> Router<Arc<AppState>> {
     Router::new()
@@ -140,9 +279,6 @@ async fn register(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) -> 
         ))
         }
     };
-    let Ok(role) = Role::parse(&b.role) else {
-        return bad_request(format!("role {:?}: expected P, D, pD or R", b.role));
-    };
     let spec = match crate::config::parse_node("url", &b.url) {
         Ok(s) => s,
         Err(e) => return bad_request(e.to_string()),
@@ -153,22 +289,25 @@ async fn register(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) -> 
         }
         e => e.map(|e| e.trim().to_owned()).or(spec.kv_events),
     };
-    let spec = crate::config::NodeSpec {
-        zmq: b.zmq_address.or(spec.zmq),
-        kv_events,
-        ..spec
+    let zmq_address = b.zmq_address.or(spec.zmq);
+    let (node, new) = match add_node_now(&st, &spec.url, &b.role, &zmq_address, &kv_events) {
+        Ok(added) => added,
+        Err(e) => return bad_request(e),
     };
-    let (node, new) = crate::membership::register_node(&st, &spec, role, Source::Admin);
+    let change = Change::NodeAdded {
+        url: node.url.clone(),
+        role: node.role.as_str().to_owned(),
+        zmq_address,
+        kv_events,
+    };
     let status = if new {
         StatusCode::CREATED
     } else {
         StatusCode::OK
     };
-    (
-        status,
-        Json(json!({"id": node.id.get(), "url": node.url, "role": node.role.as_str(), "new": new})),
-    )
-        .into_response()
+    let body =
+        json!({"id": node.id.get(), "url": node.url, "role": node.role.as_str(), "new": new});
+    answer(&st, status, change, body).await
 }
 
 #[derive(Deserialize)]
@@ -187,6 +326,7 @@ async fn deregister(
     };
     let gone = crate::membership::deregister_node(&st, &q.url);
     if gone.is_empty() {
+        // Nothing changed here, so nothing is shared.
         return openai_error(
             StatusCode::NOT_FOUND,
             format!("no node {}", q.url),
@@ -194,7 +334,14 @@ async fn deregister(
             "node_not_found",
         );
     }
-    Json(json!({"removed": gone.iter().map(|n| n.url.clone()).collect::<Vec<_>>()})).into_response()
+    let body = json!({"removed": gone.iter().map(|n| n.url.clone()).collect::<Vec<_>>()});
+    answer(
+        &st,
+        StatusCode::OK,
+        Change::NodeRemoved { url: q.url },
+        body,
+    )
+    .await
 }
 
 #[derive(Deserialize)]
@@ -312,11 +459,19 @@ async fn reload(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) -> Re
     let spec = b.path.unwrap_or_else(|| st.table_spec.lock().clone());
     match load_table(&spec) {
         Ok(t) => {
-            let cells = t.doc().cells.len();
-            st.engine.set_table(t);
-            tracing::info!(table = %spec, cells, "admin: table reloaded");
-            *st.table_spec.lock() = spec.clone();
-            Json(json!({"reloaded": spec, "cells": cells})).into_response()
+            // Shared as its content: the other replicas may not see this file.
+            let change = Change::Table {
+                source: spec.clone(),
+                table: serde_json::to_string(t.doc()).unwrap_or_default(),
+            };
+            let cells = set_table_now(&st, t, &spec, BY_ADMIN_API);
+            answer(
+                &st,
+                StatusCode::OK,
+                change,
+                json!({"reloaded": spec, "cells": cells}),
+            )
+            .await
         }
         // The old table stays in force.
         Err(e) => openai_error(
@@ -351,13 +506,16 @@ async fn set_weights(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) 
         Ok(b) => b,
         Err(e) => return bad_request(format!("body: {e}; expected {{\"w_ttft\", \"w_tpot\"}}")),
     };
-    match Weights::new(b.w_ttft, b.w_tpot) {
+    match set_weights_now(&st, b.w_ttft, b.w_tpot, BY_ADMIN_API) {
         Ok(w) => {
-            st.engine.set_weights(w);
-            tracing::info!(w_ttft = w.w_ttft, w_tpot = w.w_tpot, "admin: weights set");
-            Json(json!({"w_ttft": w.w_ttft, "w_tpot": w.w_tpot})).into_response()
+            let change = Change::Weights {
+                w_ttft: w.w_ttft,
+                w_tpot: w.w_tpot,
+            };
+            let body = json!({"w_ttft": w.w_ttft, "w_tpot": w.w_tpot});
+            answer(&st, StatusCode::OK, change, body).await
         }
-        Err(e) => bad_request(e.to_string()),
+        Err(e) => bad_request(e),
     }
 }
 
@@ -415,13 +573,20 @@ async fn set_policy(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) -
         Ok(b) => b,
         Err(e) => return bad_request(format!("body: {e}; expected {{\"policy\"}}")),
     };
-    match PolicyKind::parse(&b.policy) {
+    match set_policy_now(&st, &b.policy, BY_ADMIN_API) {
         Ok(p) => {
-            st.engine.set_policy(p);
-            tracing::info!(policy = %p, "admin: policy set");
-            Json(json!({"policy": p.to_string()})).into_response()
+            let change = Change::Policy {
+                policy: p.to_string(),
+            };
+            answer(
+                &st,
+                StatusCode::OK,
+                change,
+                json!({"policy": p.to_string()}),
+            )
+            .await
         }
-        Err(e) => bad_request(e.to_string()),
+        Err(e) => bad_request(e),
     }
 }
 

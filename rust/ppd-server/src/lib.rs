@@ -41,6 +41,7 @@ pub mod registry;
 mod relay;
 mod route;
 pub mod server;
+mod shared;
 pub mod sse;
 pub mod state;
 mod trail;
