@@ -12,8 +12,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Optional
 
 import httpx
 import pytest
@@ -184,6 +186,22 @@ def test_a_weight_change_through_one_replica_takes_effect_on_all_three_within_a_
     assert metric(b.url, "ppd_state_updates_total", outcome="applied") == 1
     assert metric(a.url, "ppd_state_updates_total", outcome="sent") == 1
     assert metric(a.url, "ppd_state_updates_total", outcome="applied") == 0
+
+
+@needs_redis
+def test_replicas_changing_the_same_weights_at_once_agree_on_the_newest_stored(replicas):
+    a, b, c = replicas(3)
+
+    def put(r: Replica, i: int) -> tuple[int, dict[str, float]]:
+        w = {"w_ttft": 1.0, "w_tpot": float(i)}
+        resp = r.send("PUT", "/admin/weights", json=w)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["shared"]["version"], w
+
+    with ThreadPoolExecutor(8) as pool:
+        stored = list(pool.map(lambda i: put((a, b)[i % 2], i), range(1, 41)))
+    newest = max(stored)[1]
+    eventually(lambda: all(r.get("/admin/weights") == newest for r in (a, b, c)), 2)
 
 
 @needs_redis

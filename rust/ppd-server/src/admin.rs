@@ -145,16 +145,27 @@ fn add_node_now(
 /// Who applies a change made through this replica's admin API (the log's `by`).
 const BY_ADMIN_API: &str = "admin API";
 
-/// An admin answer: `body`, with what became of sharing `change` when the
-/// router shares its state (`"shared": {...}`; absent otherwise).
+/// Applies a change made through the admin API with `apply`; with shared
+/// state, in the order of every change applied here (the number it returns;
+/// see [`crate::shared::Shared::in_order`]).
+fn locally<T>(st: &AppState, apply: impl FnOnce() -> T) -> (T, u64) {
+    match &st.shared {
+        Some(shared) => shared.in_order(apply),
+        None => (apply(), 0),
+    }
+}
+
+/// An admin answer: `body`, with what became of sharing `change` (applied
+/// here at `applied_at`) when the router shares its state (`"shared":
+/// {...}`; absent otherwise).
 async fn answer(
     st: &AppState,
     status: StatusCode,
-    change: Change,
+    (change, applied_at): (Change, u64),
     mut body: serde_json::Value,
 ) -> Response {
     if let Some(shared) = &st.shared {
-        body["shared"] = shared.share(change).await.to_json();
+        body["shared"] = shared.share(change, applied_at).await.to_json();
     }
     (status, Json(body)).into_response()
 }
@@ -290,7 +301,10 @@ async fn register(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) -> 
         e => e.map(|e| e.trim().to_owned()).or(spec.kv_events),
     };
     let zmq_address = b.zmq_address.or(spec.zmq);
-    let (node, new) = match add_node_now(&st, &spec.url, &b.role, &zmq_address, &kv_events) {
+    let (added, at) = locally(&st, || {
+        add_node_now(&st, &spec.url, &b.role, &zmq_address, &kv_events)
+    });
+    let (node, new) = match added {
         Ok(added) => added,
         Err(e) => return bad_request(e),
     };
@@ -307,7 +321,7 @@ async fn register(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) -> 
     };
     let body =
         json!({"id": node.id.get(), "url": node.url, "role": node.role.as_str(), "new": new});
-    answer(&st, status, change, body).await
+    answer(&st, status, (change, at), body).await
 }
 
 #[derive(Deserialize)]
@@ -324,7 +338,7 @@ async fn deregister(
     let Ok(Query(q)) = q else {
         return bad_request("give the node as ?url=...");
     };
-    let gone = crate::membership::deregister_node(&st, &q.url);
+    let (gone, at) = locally(&st, || crate::membership::deregister_node(&st, &q.url));
     if gone.is_empty() {
         // Nothing changed here, so nothing is shared.
         return openai_error(
@@ -338,7 +352,7 @@ async fn deregister(
     answer(
         &st,
         StatusCode::OK,
-        Change::NodeRemoved { url: q.url },
+        (Change::NodeRemoved { url: q.url }, at),
         body,
     )
     .await
@@ -464,11 +478,11 @@ async fn reload(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) -> Re
                 source: spec.clone(),
                 table: serde_json::to_string(t.doc()).unwrap_or_default(),
             };
-            let cells = set_table_now(&st, t, &spec, BY_ADMIN_API);
+            let (cells, at) = locally(&st, || set_table_now(&st, t, &spec, BY_ADMIN_API));
             answer(
                 &st,
                 StatusCode::OK,
-                change,
+                (change, at),
                 json!({"reloaded": spec, "cells": cells}),
             )
             .await
@@ -506,16 +520,18 @@ async fn set_weights(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) 
         Ok(b) => b,
         Err(e) => return bad_request(format!("body: {e}; expected {{\"w_ttft\", \"w_tpot\"}}")),
     };
-    match set_weights_now(&st, b.w_ttft, b.w_tpot, BY_ADMIN_API) {
-        Ok(w) => {
+    match locally(&st, || {
+        set_weights_now(&st, b.w_ttft, b.w_tpot, BY_ADMIN_API)
+    }) {
+        (Ok(w), at) => {
             let change = Change::Weights {
                 w_ttft: w.w_ttft,
                 w_tpot: w.w_tpot,
             };
             let body = json!({"w_ttft": w.w_ttft, "w_tpot": w.w_tpot});
-            answer(&st, StatusCode::OK, change, body).await
+            answer(&st, StatusCode::OK, (change, at), body).await
         }
-        Err(e) => bad_request(e),
+        (Err(e), _) => bad_request(e),
     }
 }
 
@@ -573,20 +589,20 @@ async fn set_policy(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) -
         Ok(b) => b,
         Err(e) => return bad_request(format!("body: {e}; expected {{\"policy\"}}")),
     };
-    match set_policy_now(&st, &b.policy, BY_ADMIN_API) {
-        Ok(p) => {
+    match locally(&st, || set_policy_now(&st, &b.policy, BY_ADMIN_API)) {
+        (Ok(p), at) => {
             let change = Change::Policy {
                 policy: p.to_string(),
             };
             answer(
                 &st,
                 StatusCode::OK,
-                change,
+                (change, at),
                 json!({"policy": p.to_string()}),
             )
             .await
         }
-        Err(e) => bad_request(e),
+        (Err(e), _) => bad_request(e),
     }
 }
 

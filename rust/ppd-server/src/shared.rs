@@ -85,6 +85,8 @@ impl Sharing {
 /// A change for the store, with where to say what became of it.
 struct Outgoing {
     change: Change,
+    /// When it was applied here ([`Shared::in_order`]).
+    applied_at: u64,
     reply: oneshot::Sender<Sharing>,
 }
 
@@ -106,6 +108,9 @@ pub(crate) struct Shared {
     link: Link,
     /// Changes made here that the store does not have yet.
     pending: AtomicUsize,
+    /// Numbers every change applied here, local or another replica's, in the
+    /// order they were applied (see [`Shared::in_order`]).
+    order: Mutex<u64>,
 }
 
 /// The names of this router's keys and channel.
@@ -173,15 +178,33 @@ impl Shared {
                 since_ms: AtomicU64::new(now_ms),
             },
             pending: AtomicUsize::new(0),
+            order: Mutex::new(0),
         })
+    }
+
+    /// Applies a change with `apply`, numbered in the order of every change
+    /// applied here. Between a change through the admin API and its storing,
+    /// another replica's change of the same subject may be applied here; the
+    /// numbers tell, and the local one, then stored as the newest, is applied
+    /// again so that this replica agrees with the others.
+    pub(crate) fn in_order<T>(&self, apply: impl FnOnce() -> T) -> (T, u64) {
+        let mut n = self.order.lock();
+        let done = apply();
+        *n += 1;
+        (done, *n)
     }
 
     /// Hands a change that is in force here to the store; says whether the
     /// store has it (waits for it at most [`ANSWER_WAIT`]). A change the
     /// store cannot take now is kept and sent on reconnect.
-    pub(crate) async fn share(&self, change: Change) -> Sharing {
+    pub(crate) async fn share(&self, change: Change, applied_at: u64) -> Sharing {
         let (reply, answer) = oneshot::channel();
-        if self.outbox.send(Outgoing { change, reply }).is_err() {
+        let out = Outgoing {
+            change,
+            applied_at,
+            reply,
+        };
+        if self.outbox.send(out).is_err() {
             return Sharing::Pending;
         }
         match tokio::time::timeout(ANSWER_WAIT, answer).await {
@@ -208,6 +231,9 @@ impl Shared {
 pub(crate) struct View {
     last: HashMap<String, (u64, Change)>,
     pending: BTreeMap<String, Change>,
+    /// When another replica's change of each subject was last applied here
+    /// ([`Shared::in_order`]).
+    remote_at: HashMap<String, u64>,
 }
 
 impl View {
@@ -219,6 +245,19 @@ impl View {
                 .last
                 .get(&e.change.subject())
                 .is_none_or(|(v, _)| e.v > *v)
+    }
+
+    /// Records that another replica's change of `subject` was applied here at `at`.
+    pub(crate) fn applied_remote(&mut self, subject: String, at: u64) {
+        self.remote_at.insert(subject, at);
+    }
+
+    /// Whether a change applied here at `applied_at` was overwritten since by
+    /// another replica's change of the same subject.
+    pub(crate) fn overtaken(&self, subject: &str, applied_at: u64) -> bool {
+        self.remote_at
+            .get(subject)
+            .is_some_and(|at| *at > applied_at)
     }
 
     /// Records an envelope as applied or stored here.
@@ -384,7 +423,7 @@ async fn connected(
         .filter_map(|text| decoded(st, text))
         .collect();
     for e in view.catch_up(envelopes) {
-        apply(st, &e);
+        apply(st, shared, view, &e);
     }
     set_link(st, shared, true, "");
     *attempt = 0;
@@ -403,7 +442,7 @@ async fn connected(
                 };
                 if let Some(e) = decoded(st, &text) {
                     if view.takes(&shared.replica, &e) {
-                        apply(st, &e);
+                        apply(st, shared, view, &e);
                         view.record(e);
                     }
                 }
@@ -416,6 +455,10 @@ async fn connected(
                     Ok(v) => {
                         count(st, "sent");
                         let _ = out.reply.send(Sharing::Stored(v));
+                        if view.overtaken(&out.change.subject(), out.applied_at) {
+                            // Stored after the other replica's, so it is in force everywhere: here too.
+                            reapply(st, shared, view, &out.change);
+                        }
                         view.record(Envelope { v, from: shared.replica.clone(), change: out.change });
                     }
                     Err(e) => {
@@ -466,14 +509,26 @@ fn decoded(st: &AppState, text: &str) -> Option<Envelope> {
 }
 
 /// Applies another replica's change here through the admin API's own functions.
-fn apply(st: &Arc<AppState>, e: &Envelope) {
+fn apply(st: &Arc<AppState>, shared: &Shared, view: &mut View, e: &Envelope) {
     let by = format!("replica {}", e.from);
-    match crate::admin::apply(st, &e.change, &by) {
+    let (done, at) = shared.in_order(|| crate::admin::apply(st, &e.change, &by));
+    view.applied_remote(e.change.subject(), at);
+    match done {
         Ok(()) => count(st, "applied"),
         Err(why) => {
             count(st, "failed");
             tracing::warn!(error = %why, subject = %e.change.subject(), by, "state store: a shared admin change does not apply here");
         }
+    }
+}
+
+/// Applies this replica's own change again, after another's overwrote it here.
+fn reapply(st: &Arc<AppState>, shared: &Shared, view: &mut View, change: &Change) {
+    let by = "admin API (again: stored after another replica's change)";
+    let (done, _) = shared.in_order(|| crate::admin::apply(st, change, by));
+    view.remote_at.remove(&change.subject());
+    if let Err(why) = done {
+        tracing::warn!(error = %why, subject = %change.subject(), "state store: an own admin change did not apply again");
     }
 }
 
@@ -631,6 +686,26 @@ mod tests {
         });
         assert_eq!(view.pending.len(), 2);
         assert_eq!(view.pending["weights"], weights(0, "me", 3.0).change);
+    }
+
+    #[test]
+    fn a_local_change_overwritten_here_by_another_replicas_is_known_as_overtaken() {
+        let mut view = View::default();
+        // Applied here at 3; another replica's weights were applied at 5.
+        view.applied_remote("weights".into(), 5);
+        assert!(view.overtaken("weights", 3));
+        // Applied after it, or another subject: not overtaken.
+        assert!(!view.overtaken("weights", 6));
+        assert!(!view.overtaken("policy", 3));
+    }
+
+    #[test]
+    fn changes_applied_in_order_are_numbered_in_that_order() {
+        let shared = Shared::new("redis://127.0.0.1:1", "t", 0).unwrap();
+        let (a, first) = shared.in_order(|| "a");
+        let (b, second) = shared.in_order(|| "b");
+        assert_eq!((a, b), ("a", "b"));
+        assert!(second > first);
     }
 
     #[test]
