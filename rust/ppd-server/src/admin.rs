@@ -6,7 +6,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
@@ -19,52 +19,10 @@ use ppd_core::{PolicyKind, Role, Weights};
 use crate::error::openai_error;
 use crate::intake::read_within;
 use crate::registry::{Node, Source};
+use crate::shared::Change;
 use crate::state::AppState;
 
-/// An admin change, as the admin API makes it and as [`apply`] applies it:
-/// on this replica, and (through the state store, shared.rs) on the others.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-pub(crate) enum Change {
-    Weights {
-        w_ttft: f64,
-        w_tpot: f64,
-    },
-    Policy {
-        policy: String,
-    },
-    /// The table's content, not its path: replicas need not share a file system.
-    Table {
-        source: String,
-        table: String,
-    },
-    NodeAdded {
-        url: String,
-        role: String,
-        zmq_address: Option<String>,
-        kv_events: Option<String>,
-    },
-    NodeRemoved {
-        url: String,
-    },
-}
-
-impl Change {
-    /// What the change sets: a later change of the same subject replaces it
-    /// (weights, policy and table are one each; nodes one per URL).
-    pub(crate) fn subject(&self) -> String {
-        match self {
-            Change::Weights { .. } => "weights".into(),
-            Change::Policy { .. } => "policy".into(),
-            Change::Table { .. } => "table".into(),
-            Change::NodeAdded { url, .. } | Change::NodeRemoved { url } => {
-                format!("node:{}", url.trim_end_matches('/'))
-            }
-        }
-    }
-}
-
-/// Applies a change from another replica (shared.rs) through the same
+/// Applies a change from another replica (replicas.rs) through the same
 /// functions the admin API uses, one per kind. Every value is checked again:
 /// what comes from the state store is input like a request body.
 pub(crate) fn apply(st: &Arc<AppState>, change: &Change, by: &str) -> Result<(), String> {

@@ -913,7 +913,7 @@ fn resolve_state(
         (None, None) => return Ok(None),
     };
     // Never the URL itself in the message: it may hold a password.
-    let shown = crate::shared::without_password(&url);
+    let shown = without_password(&url);
     if !url.starts_with("redis://") {
         return Err(bad(
             "state",
@@ -923,6 +923,18 @@ fn resolve_state(
     redis::Client::open(url.as_str())
         .map_err(|e| bad("state", format!("{shown:?}{from}: not a Redis URL: {e}")))?;
     Ok(Some(url))
+}
+
+/// `url` with its password, if any, replaced by `REDACTED` (for logs and errors).
+pub(crate) fn without_password(url: &str) -> String {
+    match reqwest::Url::parse(url) {
+        Ok(mut u) if u.password().is_some() => {
+            let _ = u.set_password(Some("REDACTED"));
+            u.to_string()
+        }
+        Ok(_) => url.to_owned(),
+        Err(_) => "<not a URL>".to_owned(),
+    }
 }
 
 /// A key namespace: 1 to 64 visible ASCII characters, no spaces.
@@ -1064,6 +1076,16 @@ mod tests {
         }
         let e = resolve_state(None, Some("http://x".into())).unwrap_err();
         assert!(e.message.contains(STATE_ENV), "{e}");
+    }
+
+    #[test]
+    fn a_state_urls_password_never_shows() {
+        assert_eq!(
+            without_password("redis://:hunter2@cache:6379/1"),
+            "redis://:REDACTED@cache:6379/1"
+        );
+        assert_eq!(without_password("redis://cache:6379"), "redis://cache:6379");
+        assert!(!without_password("redis://u:hunter2@cache").contains("hunter2"));
     }
 
     #[test]

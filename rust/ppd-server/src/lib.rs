@@ -39,6 +39,7 @@ mod orchestrate;
 mod pull;
 pub mod registry;
 mod relay;
+mod replicas;
 mod route;
 pub mod server;
 mod shared;

@@ -110,7 +110,7 @@ pub(crate) fn settings_for_log(cfg: &RouterConfig) -> String {
         *t = serde_json::Value::from("<set>");
     }
     if let Some(url) = &cfg.state {
-        v["state"] = crate::shared::without_password(url).into();
+        v["state"] = crate::config::without_password(url).into();
     }
     v.to_string()
 }

@@ -409,7 +409,7 @@ pub async fn run(
     let bg = tokio::spawn(background(Arc::clone(&state)));
     let scraper = tokio::spawn(scrape_loop(Arc::clone(&state)));
     let subscribers = start_kv_subscribers(&state);
-    let sharing = tokio::spawn(crate::shared::run(Arc::clone(&state)));
+    let sharing = tokio::spawn(crate::replicas::run(Arc::clone(&state)));
     if let Some(tx) = ready {
         let _ = tx.send(Arc::clone(&state));
     }

@@ -22,16 +22,51 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 
-use futures_util::StreamExt;
-use redis::AsyncCommands;
+/// An admin change, as the admin API makes it and applies it: on this
+/// replica, and through the state store on the others (`admin::apply`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub(crate) enum Change {
+    Weights {
+        w_ttft: f64,
+        w_tpot: f64,
+    },
+    Policy {
+        policy: String,
+    },
+    /// The table's content, not its path: replicas need not share a file system.
+    Table {
+        source: String,
+        table: String,
+    },
+    NodeAdded {
+        url: String,
+        role: String,
+        zmq_address: Option<String>,
+        kv_events: Option<String>,
+    },
+    NodeRemoved {
+        url: String,
+    },
+}
 
-use crate::admin::Change;
-use crate::metrics::OutcomeLabel;
-use crate::state::AppState;
+impl Change {
+    /// What the change sets: a later change of the same subject replaces it
+    /// (weights, policy and table are one each; nodes one per URL).
+    pub(crate) fn subject(&self) -> String {
+        match self {
+            Change::Weights { .. } => "weights".into(),
+            Change::Policy { .. } => "policy".into(),
+            Change::Table { .. } => "table".into(),
+            Change::NodeAdded { url, .. } | Change::NodeRemoved { url } => {
+                format!("node:{}", url.trim_end_matches('/'))
+            }
+        }
+    }
+}
 
 /// One stored change: its version, the replica that made it, the change.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -52,7 +87,7 @@ impl Envelope {
 /// the replica id, the change (JSON), the channel. Returns the version.
 /// The envelope is written here, not in Rust, because only Redis knows the
 /// version; its layout is [`Envelope`]'s (the id is hex, the change JSON).
-const STORE: &str = r#"
+pub(crate) const STORE: &str = r#"
 local v = redis.call('INCR', KEYS[2])
 local envelope = '{"v":' .. v .. ',"from":"' .. ARGV[2] .. '","change":' .. ARGV[3] .. '}'
 redis.call('HSET', KEYS[1], ARGV[1], envelope)
@@ -83,11 +118,11 @@ impl Sharing {
 }
 
 /// A change for the store, with where to say what became of it.
-struct Outgoing {
-    change: Change,
+pub(crate) struct Outgoing {
+    pub change: Change,
     /// When it was applied here ([`Shared::in_order`]).
-    applied_at: u64,
-    reply: oneshot::Sender<Sharing>,
+    pub applied_at: u64,
+    pub reply: oneshot::Sender<Sharing>,
 }
 
 /// Whether the store is reachable, and since when (for `/health`).
@@ -98,10 +133,10 @@ struct Link {
 
 /// The replica's side of the shared state: built with the router, run by [`run`].
 pub(crate) struct Shared {
-    client: redis::Client,
-    keys: Keys,
+    pub client: redis::Client,
+    pub keys: Keys,
     /// This router's id in envelopes (`from`), fresh at every start.
-    replica: String,
+    pub replica: String,
     outbox: mpsc::UnboundedSender<Outgoing>,
     /// Taken by [`run`] (one per router).
     inbox: Mutex<Option<mpsc::UnboundedReceiver<Outgoing>>>,
@@ -132,11 +167,11 @@ impl Keys {
 }
 
 /// How long a replica waits to (re)connect, and for each command.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
-const COMMAND_TIMEOUT: Duration = Duration::from_secs(2);
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+pub(crate) const COMMAND_TIMEOUT: Duration = Duration::from_secs(2);
 /// How often a connected replica checks that the store still answers (a
 /// silent network loss leaves the subscription open but dead).
-const PING_EVERY: Duration = Duration::from_secs(1);
+pub(crate) const PING_EVERY: Duration = Duration::from_secs(1);
 /// How long an admin answer waits for the store before saying "pending".
 const ANSWER_WAIT: Duration = Duration::from_secs(2);
 /// Waits between reconnect attempts: doubling from the first to the last.
@@ -148,18 +183,6 @@ pub(crate) fn backoff(attempt: u32) -> Duration {
     BACKOFF_FIRST
         .saturating_mul(1 << attempt.min(16))
         .min(BACKOFF_MAX)
-}
-
-/// `url` with its password, if any, replaced by `REDACTED` (for logs and errors).
-pub(crate) fn without_password(url: &str) -> String {
-    match reqwest::Url::parse(url) {
-        Ok(mut u) if u.password().is_some() => {
-            let _ = u.set_password(Some("REDACTED"));
-            u.to_string()
-        }
-        Ok(_) => url.to_owned(),
-        Err(_) => "<not a URL>".to_owned(),
-    }
 }
 
 impl Shared {
@@ -213,6 +236,25 @@ impl Shared {
         }
     }
 
+    /// The outgoing changes, for the one task that shares them (once).
+    pub(crate) fn take_inbox(&self) -> Option<mpsc::UnboundedReceiver<Outgoing>> {
+        self.inbox.lock().take()
+    }
+
+    /// Marks the store reachable or not at `now_ms`; whether that changed.
+    pub(crate) fn set_connected(&self, up: bool, now_ms: u64) -> bool {
+        if self.link.connected.swap(up, Ordering::Relaxed) == up {
+            return false;
+        }
+        self.link.since_ms.store(now_ms, Ordering::Relaxed);
+        true
+    }
+
+    /// How many changes made here the store lacks.
+    pub(crate) fn set_pending(&self, n: usize) {
+        self.pending.store(n, Ordering::Relaxed);
+    }
+
     /// `{"backend", "connected", "since_s", "pending"}` for `/health`.
     pub(crate) fn health(&self, now_ms: u64) -> serde_json::Value {
         let since = now_ms.saturating_sub(self.link.since_ms.load(Ordering::Relaxed));
@@ -230,7 +272,7 @@ impl Shared {
 #[derive(Default)]
 pub(crate) struct View {
     last: HashMap<String, (u64, Change)>,
-    pending: BTreeMap<String, Change>,
+    pub pending: BTreeMap<String, Change>,
     /// When another replica's change of each subject was last applied here
     /// ([`Shared::in_order`]).
     remote_at: HashMap<String, u64>,
@@ -245,6 +287,12 @@ impl View {
                 .last
                 .get(&e.change.subject())
                 .is_none_or(|(v, _)| e.v > *v)
+    }
+
+    /// Forgets that another replica's change of `subject` was applied here
+    /// (this replica's own is in force again).
+    pub(crate) fn reapplied(&mut self, subject: &str) {
+        self.remote_at.remove(subject);
     }
 
     /// Records that another replica's change of `subject` was applied here at `at`.
@@ -295,189 +343,8 @@ impl View {
     }
 }
 
-/// Shares this router's admin changes while it runs: connects, catches up,
-/// applies the others' changes and stores its own; reconnects with backoff.
-/// Returns when the router stops (its outbox closes).
-pub(crate) async fn run(st: Arc<AppState>) {
-    let Some(shared) = st.shared.as_ref() else {
-        return;
-    };
-    let Some(mut inbox) = shared.inbox.lock().take() else {
-        return;
-    };
-    let mut view = View::default();
-    let mut attempt = 0_u32;
-    let mut started = false;
-    loop {
-        let ended = connected(&st, shared, &mut inbox, &mut view, &mut attempt).await;
-        let Err(why) = ended else {
-            return; // the router stopped
-        };
-        if !set_link(&st, shared, false, &why) && !started {
-            tracing::warn!(error = %why, "state store unreachable at start: serving with this replica's own settings until it is reachable");
-        }
-        started = true;
-        let pause = tokio::time::sleep(backoff(attempt));
-        attempt = attempt.saturating_add(1);
-        tokio::pin!(pause);
-        loop {
-            tokio::select! {
-                () = &mut pause => break,
-                out = inbox.recv() => match out {
-                    Some(out) => hold(shared, &mut view, out),
-                    None => return,
-                },
-            }
-        }
-    }
-}
-
-/// Keeps a change for the next connection and says so.
-fn hold(shared: &Shared, view: &mut View, out: Outgoing) {
-    view.hold(out.change);
-    shared.pending.store(view.pending.len(), Ordering::Relaxed);
-    let _ = out.reply.send(Sharing::Pending);
-}
-
-/// Marks the link up or down, with the log line and the gauge, on a change
-/// only; whether it changed.
-fn set_link(st: &AppState, shared: &Shared, up: bool, why: &str) -> bool {
-    if shared.link.connected.swap(up, Ordering::Relaxed) == up {
-        return false;
-    }
-    shared.link.since_ms.store(st.now_ms(), Ordering::Relaxed);
-    st.metrics.state_connected.set(i64::from(up));
-    if up {
-        tracing::info!("state store connected: admin changes are shared");
-    } else {
-        tracing::warn!(
-            error = %why,
-            "state store lost: serving on with the last admin view; changes made here are shared when it is back"
-        );
-    }
-    true
-}
-
-fn count(st: &AppState, outcome: &'static str) {
-    st.metrics
-        .state_updates
-        .get_or_create(&OutcomeLabel { outcome })
-        .inc();
-}
-
-/// One connection's life: subscribe, send what is pending, catch up, then
-/// serve messages, outgoing changes and pings until something fails
-/// (`Err`, the reason) or the router stops (`Ok`).
-async fn connected(
-    st: &Arc<AppState>,
-    shared: &Shared,
-    inbox: &mut mpsc::UnboundedReceiver<Outgoing>,
-    view: &mut View,
-    attempt: &mut u32,
-) -> Result<(), String> {
-    let config = redis::AsyncConnectionConfig::new()
-        .set_connection_timeout(Some(CONNECT_TIMEOUT))
-        .set_response_timeout(Some(COMMAND_TIMEOUT));
-    let mut conn = shared
-        .client
-        .get_multiplexed_async_connection_with_config(&config)
-        .await
-        .map_err(|e| e.to_string())?;
-    let pubsub = tokio::time::timeout(CONNECT_TIMEOUT, shared.client.get_async_pubsub())
-        .await
-        .map_err(|_| "subscribing timed out".to_owned())?
-        .map_err(|e| e.to_string())?;
-    let (mut sink, mut messages) = pubsub.split();
-    tokio::time::timeout(COMMAND_TIMEOUT, sink.subscribe(&shared.keys.channel))
-        .await
-        .map_err(|_| "subscribing timed out".to_owned())?
-        .map_err(|e| e.to_string())?;
-    let script = redis::Script::new(STORE);
-
-    // What was changed here meanwhile goes first, so it is the newest.
-    while let Some((subject, change)) = view.pending.pop_first() {
-        match store(&mut conn, &script, shared, &change).await {
-            Ok(v) => {
-                count(st, "sent");
-                view.record(Envelope {
-                    v,
-                    from: shared.replica.clone(),
-                    change,
-                });
-            }
-            Err(e) => {
-                count(st, "failed");
-                view.pending.insert(subject, change);
-                shared.pending.store(view.pending.len(), Ordering::Relaxed);
-                return Err(e);
-            }
-        }
-    }
-    shared.pending.store(0, Ordering::Relaxed);
-    let stored: HashMap<String, String> = conn
-        .hgetall(&shared.keys.hash)
-        .await
-        .map_err(|e| e.to_string())?;
-    let envelopes = stored
-        .values()
-        .filter_map(|text| decoded(st, text))
-        .collect();
-    for e in view.catch_up(envelopes) {
-        apply(st, shared, view, &e);
-    }
-    set_link(st, shared, true, "");
-    *attempt = 0;
-
-    let mut ping = tokio::time::interval(PING_EVERY);
-    ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            msg = messages.next() => {
-                let Some(msg) = msg else {
-                    return Err("the subscription ended".into());
-                };
-                let Ok(text) = msg.get_payload::<String>() else {
-                    count(st, "failed");
-                    continue;
-                };
-                if let Some(e) = decoded(st, &text) {
-                    if view.takes(&shared.replica, &e) {
-                        apply(st, shared, view, &e);
-                        view.record(e);
-                    }
-                }
-            }
-            out = inbox.recv() => {
-                let Some(out) = out else {
-                    return Ok(());
-                };
-                match store(&mut conn, &script, shared, &out.change).await {
-                    Ok(v) => {
-                        count(st, "sent");
-                        let _ = out.reply.send(Sharing::Stored(v));
-                        if view.overtaken(&out.change.subject(), out.applied_at) {
-                            // Stored after the other replica's, so it is in force everywhere: here too.
-                            reapply(st, shared, view, &out.change);
-                        }
-                        view.record(Envelope { v, from: shared.replica.clone(), change: out.change });
-                    }
-                    Err(e) => {
-                        count(st, "failed");
-                        hold(shared, view, out);
-                        return Err(e);
-                    }
-                }
-            }
-            _ = ping.tick() => {
-                let pong: Result<String, _> = conn.ping().await;
-                pong.map_err(|e| e.to_string())?;
-            }
-        }
-    }
-}
-
-/// Runs [`STORE`] for one change; its version.
-async fn store(
+/// Runs the store script ([`STORE`], `redis::Script::new(STORE)`) for one change; its version.
+pub(crate) async fn store(
     conn: &mut redis::aio::MultiplexedConnection,
     script: &redis::Script,
     shared: &Shared,
@@ -494,42 +361,6 @@ async fn store(
         .invoke_async(conn)
         .await
         .map_err(|e| e.to_string())
-}
-
-/// An envelope from the store, or `None` (counted and logged) when it is not one.
-fn decoded(st: &AppState, text: &str) -> Option<Envelope> {
-    match Envelope::decode(text) {
-        Ok(e) => Some(e),
-        Err(e) => {
-            count(st, "failed");
-            tracing::warn!(error = %e, "state store: skipped a malformed admin change");
-            None
-        }
-    }
-}
-
-/// Applies another replica's change here through the admin API's own functions.
-fn apply(st: &Arc<AppState>, shared: &Shared, view: &mut View, e: &Envelope) {
-    let by = format!("replica {}", e.from);
-    let (done, at) = shared.in_order(|| crate::admin::apply(st, &e.change, &by));
-    view.applied_remote(e.change.subject(), at);
-    match done {
-        Ok(()) => count(st, "applied"),
-        Err(why) => {
-            count(st, "failed");
-            tracing::warn!(error = %why, subject = %e.change.subject(), by, "state store: a shared admin change does not apply here");
-        }
-    }
-}
-
-/// Applies this replica's own change again, after another's overwrote it here.
-fn reapply(st: &Arc<AppState>, shared: &Shared, view: &mut View, change: &Change) {
-    let by = "admin API (again: stored after another replica's change)";
-    let (done, _) = shared.in_order(|| crate::admin::apply(st, change, by));
-    view.remote_at.remove(&change.subject());
-    if let Err(why) = done {
-        tracing::warn!(error = %why, subject = %change.subject(), "state store: an own admin change did not apply again");
-    }
 }
 
 #[cfg(test)]
@@ -713,16 +544,6 @@ mod tests {
         assert_eq!(backoff(0), BACKOFF_FIRST);
         assert_eq!(backoff(1), BACKOFF_FIRST * 2);
         assert_eq!(backoff(30), BACKOFF_MAX);
-    }
-
-    #[test]
-    fn a_password_never_shows() {
-        assert_eq!(
-            without_password("redis://:hunter2@cache:6379/1"),
-            "redis://:REDACTED@cache:6379/1"
-        );
-        assert_eq!(without_password("redis://cache:6379"), "redis://cache:6379");
-        assert!(!without_password("redis://u:hunter2@cache").contains("hunter2"));
     }
 
     #[test]
