@@ -44,6 +44,23 @@ if [ -z "${PPD_VLLM_PYTHON:-}" ]; then
     export PPD_VLLM_PYTHON
 fi
 
+echo "== redis-server, for the shared admin state's tests (tests/router/test_shared_state.py)"
+if ! command -v redis-server >/dev/null; then
+    as_root=()
+    if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null && sudo -n true 2>/dev/null; then
+        as_root=(sudo)
+    fi
+    if ! command -v apt-get >/dev/null; then
+        echo "redis-server is missing and there is no apt-get: the shared-state tests are skipped" >&2
+    elif [ "$(id -u)" -ne 0 ] && [ ${#as_root[@]} -eq 0 ]; then
+        echo "redis-server is missing and installing it needs root or sudo: the shared-state tests are skipped" >&2
+    else
+        "${as_root[@]}" apt-get update -q >/dev/null &&
+            "${as_root[@]}" apt-get install -y -q redis-server >/dev/null ||
+            echo "installing redis-server failed: the shared-state tests are skipped" >&2
+    fi
+fi
+
 echo "== python: pytest"
 set +e
 python -m pytest tests -q -p no:cacheprovider "$@"

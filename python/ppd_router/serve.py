@@ -85,6 +85,16 @@ _SCALARS: dict[str, tuple[type, str]] = {
         "auto (the tokenizer's chat template when --tokenizer is set), word-rule (emulated nodes) or none: "
         "how requests become token ids matched against the nodes' KV events",
     ),
+    "state": (
+        str,
+        "share admin changes (weights, policy, nodes, table) with the other replicas of this router through "
+        "Redis at redis://HOST[:PORT][/DB] (default: PPD_STATE, else nothing is shared); a password in the URL "
+        "is better given through PPD_STATE than on the command line",
+    ),
+    "state_prefix": (
+        str,
+        "namespace of this router's keys and channel in --state, so clusters can share one Redis (default ppd)",
+    ),
     "worker_threads": (int, "router I/O threads (default 0 = one per core)"),
     "runtime": (str, "thread-per-core (default: a request stays on its thread) or work-stealing"),
     "placement": (

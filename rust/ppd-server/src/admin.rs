@@ -13,13 +13,129 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use ppd_core::builtin::load_table;
+use ppd_core::table::Table;
 use ppd_core::{PolicyKind, Role, Weights};
 
 use crate::error::openai_error;
 use crate::intake::read_within;
-use crate::kv_subscriber::Endpoint;
-use crate::registry::Source;
+use crate::kv_subscriber::{Attach, Endpoint};
+use crate::registry::{Node, Source};
+use crate::shared::Change;
 use crate::state::AppState;
+
+/// Applies a change from another replica (replicas.rs) through the same
+/// functions the admin API uses, one per kind. Every value is checked again:
+/// what comes from the state store is input like a request body.
+pub(crate) fn apply(st: &Arc<AppState>, change: &Change, by: &str) -> Result<(), String> {
+    match change {
+        Change::Weights { w_ttft, w_tpot } => set_weights_now(st, *w_ttft, *w_tpot, by).map(drop),
+        Change::Policy { policy } => set_policy_now(st, policy, by).map(drop),
+        Change::Table { source, table } => {
+            let t = Table::from_json(table, source).map_err(|e| e.to_string())?;
+            set_table_now(st, t, source, by);
+            Ok(())
+        }
+        Change::NodeAdded {
+            url,
+            role,
+            zmq_address,
+            kv_events,
+            kv_events_from,
+        } => {
+            let events = match (kv_events, kv_events_from) {
+                (_, Some(a)) => Some(Endpoint::connect(a)),
+                (Some(a), None) => Some(Endpoint::bind(a)),
+                (None, None) => None,
+            };
+            add_node_now(st, url, role, zmq_address, events).map(drop)
+        }
+        Change::NodeRemoved { url } => {
+            crate::membership::deregister_node(st, url);
+            Ok(())
+        }
+    }
+}
+
+fn set_weights_now(st: &AppState, w_ttft: f64, w_tpot: f64, by: &str) -> Result<Weights, String> {
+    let w = Weights::new(w_ttft, w_tpot).map_err(|e| e.to_string())?;
+    st.engine.set_weights(w);
+    tracing::info!(
+        w_ttft = w.w_ttft,
+        w_tpot = w.w_tpot,
+        by,
+        "admin: weights set"
+    );
+    Ok(w)
+}
+
+fn set_policy_now(st: &AppState, policy: &str, by: &str) -> Result<PolicyKind, String> {
+    let p = PolicyKind::parse(policy).map_err(|e| e.to_string())?;
+    st.engine.set_policy(p);
+    tracing::info!(policy = %p, by, "admin: policy set");
+    Ok(p)
+}
+
+/// Puts a (valid) table in force; returns its number of cells.
+fn set_table_now(st: &AppState, t: Table, source: &str, by: &str) -> usize {
+    let cells = t.doc().cells.len();
+    st.engine.set_table(t);
+    tracing::info!(table = %source, cells, by, "admin: table reloaded");
+    *st.table_spec.lock() = source.to_owned();
+    cells
+}
+
+/// Registers a node of `role` at `url` (with its P2pNccl and KV-event
+/// addresses); the node and whether it is new.
+fn add_node_now(
+    st: &Arc<AppState>,
+    url: &str,
+    role: &str,
+    zmq_address: &Option<String>,
+    kv_events: Option<Endpoint>,
+) -> Result<(Arc<Node>, bool), String> {
+    let Ok(r) = Role::parse(role) else {
+        return Err(format!("role {role:?}: expected P, D, pD or R"));
+    };
+    let spec = crate::config::NodeSpec {
+        zmq: zmq_address.clone(),
+        kv_events,
+        ..crate::config::parse_node("url", url).map_err(|e| e.to_string())?
+    };
+    Ok(crate::membership::register_node(
+        st,
+        &spec,
+        r,
+        Source::Admin,
+    ))
+}
+
+/// Who applies a change made through this replica's admin API (the log's `by`).
+const BY_ADMIN_API: &str = "admin API";
+
+/// Applies a change made through the admin API with `apply`; with shared
+/// state, in the order of every change applied here (the number it returns;
+/// see [`crate::shared::Shared::in_order`]).
+fn locally<T>(st: &AppState, apply: impl FnOnce() -> T) -> (T, u64) {
+    match &st.shared {
+        Some(shared) => shared.in_order(apply),
+        None => (apply(), 0),
+    }
+}
+
+/// An admin answer: `body`, with what became of sharing `change` (applied
+/// here at `applied_at`) when the router shares its state (`"shared":
+/// {...}`; absent otherwise).
+async fn answer(
+    st: &AppState,
+    status: StatusCode,
+    (change, applied_at): (Change, u64),
+    mut body: serde_json::Value,
+) -> Response {
+    if let Some(shared) = &st.shared {
+        body["shared"] = shared.share(change, applied_at).await.to_json();
+    }
+    (status, Json(body)).into_response()
+}
 
 pub fn routes() -> Router<Arc<AppState>> {
     Router::new()
@@ -145,9 +261,6 @@ async fn register(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) -> 
         ))
         }
     };
-    let Ok(role) = Role::parse(&b.role) else {
-        return bad_request(format!("role {:?}: expected P, D, pD or R", b.role));
-    };
     let spec = match crate::config::parse_node("url", &b.url) {
         Ok(s) => s,
         Err(e) => return bad_request(e.to_string()),
@@ -167,22 +280,40 @@ async fn register(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) -> 
             },
             (None, None) => spec.kv_events,
         };
-    let spec = crate::config::NodeSpec {
-        zmq: b.zmq_address.or(spec.zmq),
-        kv_events,
-        ..spec
+    let zmq_address = b.zmq_address.or(spec.zmq);
+    let (added, at) = locally(&st, || {
+        add_node_now(&st, &spec.url, &b.role, &zmq_address, kv_events.clone())
+    });
+    let (node, new) = match added {
+        Ok(added) => added,
+        Err(e) => return bad_request(e),
     };
-    let (node, new) = crate::membership::register_node(&st, &spec, role, Source::Admin);
+    let (kv_events, kv_events_from) = match kv_events {
+        Some(Endpoint {
+            address,
+            attach: Attach::Bind,
+        }) => (Some(address), None),
+        Some(Endpoint {
+            address,
+            attach: Attach::Connect,
+        }) => (None, Some(address)),
+        None => (None, None),
+    };
+    let change = Change::NodeAdded {
+        url: node.url.clone(),
+        role: node.role.as_str().to_owned(),
+        zmq_address,
+        kv_events,
+        kv_events_from,
+    };
     let status = if new {
         StatusCode::CREATED
     } else {
         StatusCode::OK
     };
-    (
-        status,
-        Json(json!({"id": node.id.get(), "url": node.url, "role": node.role.as_str(), "new": new})),
-    )
-        .into_response()
+    let body =
+        json!({"id": node.id.get(), "url": node.url, "role": node.role.as_str(), "new": new});
+    answer(&st, status, (change, at), body).await
 }
 
 /// A KV-event address as given, or the client's error.
@@ -211,8 +342,9 @@ async fn deregister(
     let Ok(Query(q)) = q else {
         return bad_request("give the node as ?url=...");
     };
-    let gone = crate::membership::deregister_node(&st, &q.url);
+    let (gone, at) = locally(&st, || crate::membership::deregister_node(&st, &q.url));
     if gone.is_empty() {
+        // Nothing changed here, so nothing is shared.
         return openai_error(
             StatusCode::NOT_FOUND,
             format!("no node {}", q.url),
@@ -220,7 +352,14 @@ async fn deregister(
             "node_not_found",
         );
     }
-    Json(json!({"removed": gone.iter().map(|n| n.url.clone()).collect::<Vec<_>>()})).into_response()
+    let body = json!({"removed": gone.iter().map(|n| n.url.clone()).collect::<Vec<_>>()});
+    answer(
+        &st,
+        StatusCode::OK,
+        (Change::NodeRemoved { url: q.url }, at),
+        body,
+    )
+    .await
 }
 
 #[derive(Deserialize)]
@@ -338,11 +477,19 @@ async fn reload(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) -> Re
     let spec = b.path.unwrap_or_else(|| st.table_spec.lock().clone());
     match load_table(&spec) {
         Ok(t) => {
-            let cells = t.doc().cells.len();
-            st.engine.set_table(t);
-            tracing::info!(table = %spec, cells, "admin: table reloaded");
-            *st.table_spec.lock() = spec.clone();
-            Json(json!({"reloaded": spec, "cells": cells})).into_response()
+            // Shared as its content: the other replicas may not see this file.
+            let change = Change::Table {
+                source: spec.clone(),
+                table: serde_json::to_string(t.doc()).unwrap_or_default(),
+            };
+            let (cells, at) = locally(&st, || set_table_now(&st, t, &spec, BY_ADMIN_API));
+            answer(
+                &st,
+                StatusCode::OK,
+                (change, at),
+                json!({"reloaded": spec, "cells": cells}),
+            )
+            .await
         }
         // The old table stays in force.
         Err(e) => openai_error(
@@ -377,13 +524,18 @@ async fn set_weights(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) 
         Ok(b) => b,
         Err(e) => return bad_request(format!("body: {e}; expected {{\"w_ttft\", \"w_tpot\"}}")),
     };
-    match Weights::new(b.w_ttft, b.w_tpot) {
-        Ok(w) => {
-            st.engine.set_weights(w);
-            tracing::info!(w_ttft = w.w_ttft, w_tpot = w.w_tpot, "admin: weights set");
-            Json(json!({"w_ttft": w.w_ttft, "w_tpot": w.w_tpot})).into_response()
+    match locally(&st, || {
+        set_weights_now(&st, b.w_ttft, b.w_tpot, BY_ADMIN_API)
+    }) {
+        (Ok(w), at) => {
+            let change = Change::Weights {
+                w_ttft: w.w_ttft,
+                w_tpot: w.w_tpot,
+            };
+            let body = json!({"w_ttft": w.w_ttft, "w_tpot": w.w_tpot});
+            answer(&st, StatusCode::OK, (change, at), body).await
         }
-        Err(e) => bad_request(e.to_string()),
+        (Err(e), _) => bad_request(e),
     }
 }
 
@@ -441,13 +593,20 @@ async fn set_policy(State(st): State<Arc<AppState>>, h: HeaderMap, body: Body) -
         Ok(b) => b,
         Err(e) => return bad_request(format!("body: {e}; expected {{\"policy\"}}")),
     };
-    match PolicyKind::parse(&b.policy) {
-        Ok(p) => {
-            st.engine.set_policy(p);
-            tracing::info!(policy = %p, "admin: policy set");
-            Json(json!({"policy": p.to_string()})).into_response()
+    match locally(&st, || set_policy_now(&st, &b.policy, BY_ADMIN_API)) {
+        (Ok(p), at) => {
+            let change = Change::Policy {
+                policy: p.to_string(),
+            };
+            answer(
+                &st,
+                StatusCode::OK,
+                (change, at),
+                json!({"policy": p.to_string()}),
+            )
+            .await
         }
-        Err(e) => bad_request(e.to_string()),
+        (Err(e), _) => bad_request(e),
     }
 }
 

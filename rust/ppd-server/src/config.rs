@@ -200,6 +200,13 @@ pub struct RouterConfig {
     /// Export request spans over OTLP/HTTP (JSON) to this URL, a collector's
     /// `/v1/traces` (the name vLLM gives its own setting); unset: no spans.
     pub otlp_traces_endpoint: Option<String>,
+    /// Where admin changes are shared with the other replicas of this router
+    /// (`redis://HOST[:PORT][/DB]`, shared.rs); unset: the environment
+    /// variable [`STATE_ENV`], else nothing is shared (one router on its own).
+    pub state: Option<String>,
+    /// The namespace of this router's keys and channel in `state`, so that
+    /// two clusters can share one Redis.
+    pub state_prefix: String,
     /// Router I/O threads (0: one per core).
     pub worker_threads: usize,
     pub runtime: Runtime,
@@ -273,6 +280,10 @@ pub struct RouterConfig {
     /// Never serialized, never printed.
     #[serde(skip)]
     pub upstream_secret: Secret,
+    /// The state store in force, resolved once by [`RouterConfig::validate`]:
+    /// `state`, else [`STATE_ENV`]. Never serialized (a URL may hold a password).
+    #[serde(skip)]
+    pub state_url: Option<String>,
 }
 
 impl fmt::Debug for RouterConfig {
@@ -303,6 +314,10 @@ pub const UPSTREAM_API_KEY_ENV: &str = "PPD_UPSTREAM_API_KEY";
 /// The environment variable read for the admin token when neither
 /// `admin_token` nor `admin_token_file` is set.
 pub const ADMIN_TOKEN_ENV: &str = "PPD_ADMIN_TOKEN";
+
+/// The environment variable read for the state store when `state` is not
+/// set (a Redis URL with a password stays off the command line).
+pub const STATE_ENV: &str = "PPD_STATE";
 
 /// A bearer token in force (admin, client or upstream); its `Debug` never shows it.
 #[derive(Clone, Default, PartialEq, Eq)]
@@ -372,6 +387,9 @@ impl Default for RouterConfig {
             log: None,
             log_format: LogFormat::Text,
             otlp_traces_endpoint: None,
+            state: None,
+            state_prefix: "ppd".into(),
+            state_url: None,
             worker_threads: 0,
             runtime: Runtime::ThreadPerCore,
             placement: Placement::LeastLoaded,
@@ -719,6 +737,8 @@ impl RouterConfig {
         if let Some(filter) = &self.log {
             check_filter(filter).map_err(|e| bad("log", e))?;
         }
+        self.state_url = resolve_state(self.state.as_deref(), std::env::var(STATE_ENV).ok())?;
+        check_state_prefix(&self.state_prefix).map_err(|e| bad("state_prefix", e))?;
         self.admin_secret = self.resolve_admin_token(std::env::var(ADMIN_TOKEN_ENV).ok())?;
         self.client_secret = resolve_secret(
             ("api_key", &self.api_key),
@@ -917,6 +937,53 @@ fn resolve_secret(
     Ok(Secret(Some(token)))
 }
 
+/// The state store in force: `state`, else `env` (the value of
+/// [`STATE_ENV`]; empty counts as unset), checked to be a Redis URL the
+/// client can use. Only plain `redis://`: the client is built without TLS.
+fn resolve_state(
+    setting: Option<&str>,
+    env: Option<String>,
+) -> Result<Option<String>, ConfigError> {
+    let (url, from) = match (setting, env.filter(|e| !e.trim().is_empty())) {
+        (Some(s), _) => (s.trim().to_owned(), String::new()),
+        (None, Some(e)) => (e.trim().to_owned(), format!(" (from {STATE_ENV})")),
+        (None, None) => return Ok(None),
+    };
+    // Never the URL itself in the message: it may hold a password.
+    let shown = without_password(&url);
+    if !url.starts_with("redis://") {
+        return Err(bad(
+            "state",
+            format!("{shown:?}{from}: expected redis://HOST[:PORT][/DB] (Redis is the only state store; rediss:// and unix sockets are not supported)"),
+        ));
+    }
+    redis::Client::open(url.as_str())
+        .map_err(|e| bad("state", format!("{shown:?}{from}: not a Redis URL: {e}")))?;
+    Ok(Some(url))
+}
+
+/// `url` with its password, if any, replaced by `REDACTED` (for logs and errors).
+pub(crate) fn without_password(url: &str) -> String {
+    match reqwest::Url::parse(url) {
+        Ok(mut u) if u.password().is_some() => {
+            let _ = u.set_password(Some("REDACTED"));
+            u.to_string()
+        }
+        Ok(_) => url.to_owned(),
+        Err(_) => "<not a URL>".to_owned(),
+    }
+}
+
+/// A key namespace: 1 to 64 visible ASCII characters, no spaces.
+fn check_state_prefix(prefix: &str) -> Result<(), String> {
+    if prefix.is_empty() || prefix.len() > 64 || !prefix.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(format!(
+            "{prefix:?}: must be 1 to 64 visible ASCII characters without spaces"
+        ));
+    }
+    Ok(())
+}
+
 /// The CA certificates of `upstream_ca_file` (PEM, at least one).
 pub fn read_ca_file(path: &str) -> Result<Vec<reqwest::Certificate>, String> {
     let pem = std::fs::read(path).map_err(|e| format!("cannot read {path}: {e}"))?;
@@ -1009,6 +1076,64 @@ mod tests {
         assert_eq!(RouterConfig::default().max_body_bytes, 16 * 1024 * 1024);
         assert_eq!(s.config().route_headers, RouteHeaders::All);
         assert!(!s.config().session_from_user);
+    }
+
+    #[test]
+    fn the_state_store_is_a_redis_url_from_the_setting_else_the_environment() {
+        let c = RouterConfig::from_toml(
+            "state = \"redis://cache:6380/2\"\nstate_prefix = \"blue\"\n",
+            "r.toml",
+        )
+        .unwrap();
+        assert_eq!(c.state_prefix, "blue");
+        let from_env = Some("redis://other:6379".to_owned());
+        assert_eq!(
+            resolve_state(c.state.as_deref(), from_env.clone()).unwrap(),
+            Some("redis://cache:6380/2".into())
+        );
+        assert_eq!(
+            resolve_state(None, from_env).unwrap(),
+            Some("redis://other:6379".into())
+        );
+        assert_eq!(resolve_state(None, Some(String::new())).unwrap(), None);
+        assert_eq!(resolve_state(None, None).unwrap(), None);
+    }
+
+    #[test]
+    fn a_state_url_that_is_not_plain_redis_is_refused_without_showing_its_password() {
+        for url in [
+            "http://cache:6379",
+            "rediss://:pw-secret@cache:6380",
+            "unix:///tmp/redis.sock",
+            "redis://:pw-secret@",
+        ] {
+            let e = resolve_state(Some(url), None).unwrap_err();
+            assert_eq!(e.field, "state");
+            assert!(!e.message.contains("pw-secret"), "{e}");
+        }
+        let e = resolve_state(None, Some("http://x".into())).unwrap_err();
+        assert!(e.message.contains(STATE_ENV), "{e}");
+    }
+
+    #[test]
+    fn a_state_urls_password_never_shows() {
+        assert_eq!(
+            without_password("redis://:hunter2@cache:6379/1"),
+            "redis://:REDACTED@cache:6379/1"
+        );
+        assert_eq!(without_password("redis://cache:6379"), "redis://cache:6379");
+        assert!(!without_password("redis://u:hunter2@cache").contains("hunter2"));
+    }
+
+    #[test]
+    fn a_state_prefix_is_short_visible_ascii() {
+        for bad_prefix in ["", "a b", &"x".repeat(65)] {
+            let c = RouterConfig {
+                state_prefix: bad_prefix.to_owned(),
+                ..RouterConfig::default()
+            };
+            assert_eq!(c.validate().unwrap_err().field, "state_prefix");
+        }
     }
 
     #[test]

@@ -102,11 +102,15 @@ pub fn flush_traces() {
     }
 }
 
-/// The settings as logged at start-up: every value but the admin token.
+/// The settings as logged at start-up: every value but the admin token and
+/// the state store's password.
 pub(crate) fn settings_for_log(cfg: &RouterConfig) -> String {
     let mut v = serde_json::to_value(cfg).unwrap_or_default();
     if let Some(t) = v.get_mut("admin_token").filter(|t| !t.is_null()) {
         *t = serde_json::Value::from("<set>");
+    }
+    if let Some(url) = &cfg.state {
+        v["state"] = crate::config::without_password(url).into();
     }
     v.to_string()
 }

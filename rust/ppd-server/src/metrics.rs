@@ -116,6 +116,14 @@ pub struct FigureLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabel {
+    /// Of a shared admin change: `sent` (stored in the state store),
+    /// `applied` (another replica's, applied here), `failed` (not stored, or
+    /// not applicable here).
+    pub outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ErrorLabels {
     pub role: &'static str,
     pub kind: &'static str,
@@ -156,6 +164,10 @@ pub struct Metrics {
     /// Serialises the copy of each node's event counts into `kv_events`
     /// (counters only go up by the difference since the last copy).
     pub kv_events_copy: parking_lot::Mutex<()>,
+    /// 1 while the state store (`state`) is reachable; registered only with `state`.
+    pub state_connected: Gauge,
+    /// Shared admin changes by outcome; registered only with `state`.
+    pub state_updates: Family<OutcomeLabel, Counter>,
 }
 
 /// vLLM's `vllm:time_to_first_token_seconds` buckets, so that the router's
@@ -346,6 +358,8 @@ impl Metrics {
             pinned.clone(),
         );
         Metrics {
+            state_connected: Gauge::default(),
+            state_updates: Family::default(),
             kv_bytes_pulled,
             pinned,
             residency_mode,
@@ -375,6 +389,25 @@ impl Metrics {
             node_restarts,
             node_scrape_failures,
         }
+    }
+
+    /// Adds the state store's metrics (with `state` only, so that a router
+    /// on its own exposes exactly what it did before).
+    pub fn with_state_metrics(mut self) -> Metrics {
+        self.registry.register(
+            "state_connected",
+            "1 while the state store that shares admin changes between replicas is reachable, else 0",
+            self.state_connected.clone(),
+        );
+        self.registry.register(
+            "state_updates",
+            "Shared admin changes: sent to the state store, applied from another replica, or failed",
+            self.state_updates.clone(),
+        );
+        for outcome in ["sent", "applied", "failed"] {
+            let _ = self.state_updates.get_or_create(&OutcomeLabel { outcome });
+        }
+        self
     }
 
     /// The metrics in OpenMetrics text (what the encoder writes).

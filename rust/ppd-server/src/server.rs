@@ -89,7 +89,10 @@ async fn models(State(st): State<Arc<AppState>>, headers: axum::http::HeaderMap)
 /// `{"status", "nodes": {role: {"available", "total"}}}`: `ok` (200) when
 /// every node is available, `degraded` (200) when some node is out but some
 /// D, pD or R can still serve (with every P out, pD nodes prefill:
-/// `p_unavailable`), `unavailable` (503) when none can.
+/// `p_unavailable`), `unavailable` (503) when none can. With `state`, also
+/// `"state": {"backend", "connected", "since_s", "pending"}`: whether the
+/// store that shares admin changes is reachable, since when, and how many
+/// changes made here it still lacks (never a reason for a 503).
 async fn health(State(st): State<Arc<AppState>>) -> Response {
     let now = st.now_ms();
     let nodes = st.registry.nodes();
@@ -111,6 +114,10 @@ async fn health(State(st): State<Arc<AppState>>) -> Response {
         (true, false) => ("degraded", StatusCode::OK),
     };
     let mut body = serde_json::json!({"status": status, "nodes": by_role});
+    if let Some(shared) = &st.shared {
+        // Losing the store is no reason to stop serving: it shows here only.
+        body["state"] = shared.health(now);
+    }
     if !serves {
         // An OpenAI-style error beside the counts, like every other refusal.
         body["error"] = serde_json::json!({"message": "no healthy decode or replica node",
@@ -398,6 +405,7 @@ pub async fn run(
     let bg = tokio::spawn(background(Arc::clone(&state)));
     let scraper = tokio::spawn(scrape_loop(Arc::clone(&state)));
     let subscribers = start_kv_subscribers(&state);
+    let sharing = tokio::spawn(crate::replicas::run(Arc::clone(&state)));
     if let Some(tx) = ready {
         let _ = tx.send(Arc::clone(&state));
     }
@@ -443,6 +451,7 @@ pub async fn run(
     };
     bg.abort();
     scraper.abort();
+    sharing.abort();
     for s in &subscribers {
         s.abort();
     }

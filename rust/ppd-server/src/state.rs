@@ -73,6 +73,8 @@ pub struct AppState {
     pub(crate) background: std::sync::OnceLock<tokio::runtime::Handle>,
     /// Model entries of `/v1/models`, gathered from the nodes.
     pub models: ArcSwap<Vec<serde_json::Value>>,
+    /// Admin changes shared with the other replicas (with `state` only).
+    pub(crate) shared: Option<crate::shared::Shared>,
     started: Instant,
     started_wall_ms: u64,
 }
@@ -122,6 +124,18 @@ impl AppState {
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0);
+        let shared = match &cfg.state_url {
+            Some(url) => Some(
+                crate::shared::Shared::new(url, &cfg.state_prefix, started_wall_ms)
+                    .map_err(|e| ServerError::Config(format!("invalid setting `state`: {e}")))?,
+            ),
+            None => None,
+        };
+        let metrics = if shared.is_some() {
+            Metrics::new().with_state_metrics()
+        } else {
+            Metrics::new()
+        };
         let state = Arc::new(AppState {
             connector: connector::build(cfg.kv_protocol),
             admission: Admission::new(&cfg),
@@ -130,7 +144,7 @@ impl AppState {
             sessions,
             registry,
             qps: Mutex::new(qps),
-            metrics: Metrics::new(),
+            metrics,
             clients: ThreadLocal::new(),
             first_client,
             counter,
@@ -139,6 +153,7 @@ impl AppState {
             pulls: PullHandles::new(PULL_HANDLES_MAX_BYTES),
             background: std::sync::OnceLock::new(),
             models: ArcSwap::from_pointee(Vec::new()),
+            shared,
             started: Instant::now(),
             started_wall_ms,
             cfg,
