@@ -1,8 +1,10 @@
 """Issue 19: router replicas that agree on placement without talking — 3 `ppd-router serve` processes
 with `--placement rendezvous` in front of 1 P + 3 pD emulated nodes (separate processes publishing KV
-events), every turn sent to a random replica: later turns land where their KV is (checked against the
-node's own `cached_tokens`), a killed replica loses only its in-flight requests, and a fourth pD moves
-no existing conversation while taking about a quarter of new ones."""
+events) and a Redis of the test's own for their admin changes (`--state`), every turn sent to a random
+replica: later turns land where their KV is (checked against the node's own `cached_tokens`), a weight
+change through one replica holds on all three within 1 s, a killed replica loses only its in-flight
+requests, and a fourth pD added through one replica moves no existing conversation while taking about a
+quarter of new ones."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -22,6 +26,7 @@ import pytest
 
 from tests.helpers import answer_text, assistant, free_port, metric_sum, user
 from tests.router.conftest import Node, kill_all, start_node, wait_healthy
+from tests.router.test_shared_state import Redis, needs_redis
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 BLOCK = 16  # the emulator's KV block size in tokens, as vLLM's default
@@ -93,15 +98,18 @@ class Fleet:
 @pytest.fixture
 def fleet() -> Any:
     f = Fleet({"P": [], "pD": []}, {})
-    try:
-        f.nodes["P"].append(start_node("P"))
-        for _ in range(3):
-            f.add_pd()
-        flags = f.node_flags()
-        f.replicas = [start_replica(flags) for _ in range(3)]
-        yield f
-    finally:
-        f.stop()
+    with tempfile.TemporaryDirectory() as workdir:
+        redis = Redis(workdir)
+        try:
+            f.nodes["P"].append(start_node("P"))
+            for _ in range(3):
+                f.add_pd()
+            flags = [*f.node_flags(), "--state", redis.url]
+            f.replicas = [start_replica(flags) for _ in range(3)]
+            yield f
+        finally:
+            f.stop()
+            redis.kill()
 
 
 @dataclass
@@ -184,6 +192,16 @@ def run(convs: list[Conversation], replicas: list[Optional[Replica]], turns: int
         list(pool.map(one, convs))
 
 
+def eventually(what: Any, within: float) -> float:
+    """Seconds until ``what()`` held, polled; fails past ``within``."""
+    start = time.monotonic()
+    while not what():
+        assert time.monotonic() - start < within, f"not within {within} s"
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+@needs_redis
 def test_every_later_turn_finds_its_kv_through_any_replica(fleet: Fleet) -> None:
     convs = [Conversation(i, named=i % 2 == 0) for i in range(200)]
     run(convs, list(fleet.replicas), turns=4, seed=19)
@@ -210,6 +228,19 @@ def test_every_later_turn_finds_its_kv_through_any_replica(fleet: Fleet) -> None
     assert max(firsts.count(d.url) for d in fleet.nodes["pD"]) <= 100, {u: firsts.count(u) for u in set(firsts)}
 
 
+@needs_redis
+def test_a_weight_change_through_one_replica_holds_on_all_three_within_a_second(fleet: Fleet) -> None:
+    a, *others = fleet.replicas
+    put = a.admin("PUT", "/admin/weights", json={"w_ttft": 1, "w_tpot": 3})
+    assert put.status_code == 200, put.text
+
+    def everywhere() -> bool:
+        return all(r.admin("GET", "/admin/weights").json() == {"w_ttft": 1.0, "w_tpot": 3.0} for r in others)
+
+    eventually(everywhere, 1.0)
+
+
+@needs_redis
 def test_a_killed_replica_loses_only_its_in_flight_requests(fleet: Fleet) -> None:
     convs = [Conversation(i, named=False) for i in range(60)]
     replicas: list[Optional[Replica]] = list(fleet.replicas)
@@ -236,14 +267,25 @@ def test_a_killed_replica_loses_only_its_in_flight_requests(fleet: Fleet) -> Non
         assert len({t.node for t in answered}) == 1, [(t.turn, t.node) for t in c.turns]
 
 
+@needs_redis
 def test_a_fourth_pd_moves_no_conversation_and_takes_about_a_quarter_of_new_ones(fleet: Fleet) -> None:
     old = [Conversation(i, named=False) for i in range(40)]
     run(old, list(fleet.replicas), turns=1, seed=1)
     new_pd = fleet.add_pd()
-    for r in fleet.replicas:
-        resp = r.admin("POST", "/admin/nodes", json={"url": fleet.spec(new_pd), "role": "pD"})
-        assert resp.status_code in (200, 201), resp.text
-    wait_healthy(new_pd.url)
+    # Added through one replica; the shared state brings it to the others.
+    resp = fleet.replicas[0].admin("POST", "/admin/nodes", json={"url": fleet.spec(new_pd), "role": "pD"})
+    assert resp.status_code in (200, 201), resp.text
+
+    def listed_everywhere() -> bool:
+        return all(
+            any(
+                n["url"] == new_pd.url and n["state"] == "healthy"
+                for n in r.admin("GET", "/admin/nodes").json()["nodes"]
+            )
+            for r in fleet.replicas
+        )
+
+    eventually(listed_everywhere, 5.0)
     run(old, list(fleet.replicas), turns=2, seed=2)
     for c in old:
         assert {t.node for t in c.turns} == {c.turns[0].node}, [(t.turn, t.node, t.path) for t in c.turns]
