@@ -55,17 +55,22 @@ class Node:
             self.proc.wait(timeout=10)
 
 
+def start_healthy(cmd: list[str], port: int, stderr: Any = subprocess.PIPE) -> subprocess.Popen:
+    """A ``ppd_router.cli`` process on ``port``, once its /health answers (killed if it never does)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, env=os.environ.copy())
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", proc=proc)
+    except Exception:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        raise
+    return proc
+
+
 def start_node(role: str, *extra: str) -> Node:
     port = free_port()
     cmd = [sys.executable, "-m", "ppd_router.cli", "emulate", "--role", role, "--port", str(port), *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy())
-    node = Node(role, port, proc)
-    try:
-        wait_healthy(node.url, proc=proc)
-    except Exception:
-        node.kill()
-        raise
-    return node
+    return Node(role, port, start_healthy(cmd, port))
 
 
 @dataclass

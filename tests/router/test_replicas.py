@@ -8,7 +8,6 @@ quarter of new ones."""
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
@@ -25,7 +24,7 @@ import httpx
 import pytest
 
 from tests.helpers import answer_text, assistant, free_port, metric_sum, user
-from tests.router.conftest import Node, kill_all, start_node, wait_healthy
+from tests.router.conftest import Node, kill_all, start_healthy, start_node
 from tests.router.test_shared_state import Redis, needs_redis
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -58,14 +57,7 @@ def start_replica(node_flags: list[str], *extra: str) -> Replica:
         "--expose-node-header", "--load-interval", "0.2", "--health-interval", "0.5",
         "--admin-token", "secret", *extra,
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
-    replica = Replica(port, proc)
-    try:
-        wait_healthy(replica.url, proc=proc)
-    except Exception:
-        replica.kill()
-        raise
-    return replica
+    return Replica(port, start_healthy(cmd, port, stderr=subprocess.DEVNULL))
 
 
 @dataclass

@@ -100,7 +100,14 @@ pub(crate) fn identify(
         && features.turn > 1
         && st.cfg.placement == Placement::Rendezvous
     {
-        let a = adopt(st, view, placement_key, features.turn, now)?;
+        let a = adopt(
+            st,
+            view,
+            prompt_ids.take(),
+            placement_key,
+            features.turn,
+            now,
+        )?;
         if a.session.is_some() {
             st.metrics
                 .sessions_adopted
@@ -129,18 +136,21 @@ pub(crate) fn identify(
 /// events say exactly where its prompt is cached; without them the node
 /// its key places on is where every replica put its first turn (unless
 /// that node was full then). The adopted session knows the D only: the
-/// features stay estimated, as for a session with no usage yet.
+/// features stay estimated, as for a session with no usage yet. `rendered`:
+/// the prompt's ids if they were rendered already (for a stale session).
 fn adopt(
     st: &AppState,
     view: &RequestView<'_>,
+    rendered: Option<Vec<u64>>,
     key: u64,
     turn: u32,
     now: u64,
 ) -> Result<Adopted, ppd_core::Error> {
     let decoding = [Role::D, Role::PD];
-    let ids = match st.renderer.as_deref() {
-        Some(r) if st.registry.any_exact(&decoding, now) => Some(request_ids(view, r)?),
-        _ => None,
+    let ids = match (rendered, st.renderer.as_deref()) {
+        (Some(ids), _) => Some(ids),
+        (None, Some(r)) if st.registry.any_exact(&decoding, now) => Some(request_ids(view, r)?),
+        (None, _) => None,
     };
     let held = ids
         .as_deref()
