@@ -541,7 +541,7 @@ pub fn parse_node(field: &str, s: &str) -> Result<NodeSpec, ConfigError> {
     }
     // What the HTTP client will be given: a URL it cannot use is refused now,
     // not at the first request.
-    match reqwest::Url::parse(url) {
+    match url::Url::parse(url) {
         Err(e) => {
             return Err(bad(
                 field,
@@ -964,7 +964,7 @@ fn resolve_state(
 
 /// `url` with its password, if any, replaced by `REDACTED` (for logs and errors).
 pub(crate) fn without_password(url: &str) -> String {
-    match reqwest::Url::parse(url) {
+    match url::Url::parse(url) {
         Ok(mut u) if u.password().is_some() => {
             let _ = u.set_password(Some("REDACTED"));
             u.to_string()
@@ -985,9 +985,11 @@ fn check_state_prefix(prefix: &str) -> Result<(), String> {
 }
 
 /// The CA certificates of `upstream_ca_file` (PEM, at least one).
-pub fn read_ca_file(path: &str) -> Result<Vec<reqwest::Certificate>, String> {
+pub fn read_ca_file(path: &str) -> Result<Vec<rustls::pki_types::CertificateDer<'static>>, String> {
+    use rustls::pki_types::pem::PemObject;
     let pem = std::fs::read(path).map_err(|e| format!("cannot read {path}: {e}"))?;
-    let certs = reqwest::Certificate::from_pem_bundle(&pem)
+    let certs = rustls::pki_types::CertificateDer::pem_slice_iter(&pem)
+        .collect::<Result<Vec<_>, _>>()
         .map_err(|e| format!("{path}: not PEM certificates: {e}"))?;
     if certs.is_empty() {
         return Err(format!("{path}: no PEM certificate in it"));

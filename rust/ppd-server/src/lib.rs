@@ -21,6 +21,7 @@ mod answer;
 mod auth;
 pub mod body;
 mod bookkeeping;
+mod client;
 pub mod config;
 mod connection;
 mod connector;

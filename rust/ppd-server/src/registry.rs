@@ -1,6 +1,7 @@
 //! The node registry: roles, health, load, circuit breakers, heartbeats, and the placement choices made on them.
 
 use arc_swap::ArcSwap;
+use axum::http::Uri;
 use parking_lot::Mutex;
 use serde::Serialize;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -49,7 +50,7 @@ pub struct Node {
     /// `{url}/v1/chat/completions` and `{url}/v1/completions`, parsed once:
     /// parsing a URL per request cost more than building the rest of it.
     /// `None` when the URL does not parse (the request then reports why).
-    pub endpoint_urls: Option<[reqwest::Url; 2]>,
+    pub endpoint_urls: Option<[Uri; 2]>,
     /// The `x-ppd-node` response header, built once.
     pub url_header: Option<axum::http::HeaderValue>,
 }
@@ -116,9 +117,9 @@ impl Node {
     }
 }
 
-fn endpoint_urls(base: &str) -> Option<[reqwest::Url; 2]> {
-    let chat = reqwest::Url::parse(&format!("{base}/v1/chat/completions")).ok()?;
-    let completions = reqwest::Url::parse(&format!("{base}/v1/completions")).ok()?;
+fn endpoint_urls(base: &str) -> Option<[Uri; 2]> {
+    let chat = format!("{base}/v1/chat/completions").parse().ok()?;
+    let completions = format!("{base}/v1/completions").parse().ok()?;
     Some([chat, completions])
 }
 

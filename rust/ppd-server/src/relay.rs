@@ -15,6 +15,7 @@ use ppd_core::Route;
 
 use crate::body::answer_without_router_fields;
 use crate::bookkeeping::{Counted, Ticket};
+use crate::client::Answer;
 use crate::config::{RouteHeaders, RouterConfig};
 use crate::registry::{InflightGuard, Node};
 use crate::sse::{classify, without_router_fields, EventKind, EventSplitter, Pass, Usage};
@@ -59,7 +60,7 @@ pub(crate) fn route_headers(
 /// sending it. The ticket is settled with the answer's usage.
 pub(crate) async fn whole(
     ticket: Ticket,
-    resp: reqwest::Response,
+    resp: Answer,
     inflight: InflightGuard,
 ) -> Option<Response> {
     let content_type = resp.headers().get(CONTENT_TYPE).cloned();
@@ -94,7 +95,7 @@ pub(crate) fn streamed(relay: Relay) -> Response {
     r
 }
 
-type ByteStream = Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>;
+type ByteStream = Pin<Box<dyn Stream<Item = Result<Bytes, hyper::Error>> + Send>>;
 
 /// Relays an upstream SSE stream event by event: the client gets the bytes vLLM
 /// sent, minus the usage chunk the router asked for itself; a failure mid-stream
@@ -122,14 +123,9 @@ fn sse_error(message: &str) -> Bytes {
 }
 
 impl Relay {
-    pub fn new(
-        ticket: Ticket,
-        resp: reqwest::Response,
-        inflight: InflightGuard,
-        drop_usage: bool,
-    ) -> Relay {
+    pub fn new(ticket: Ticket, resp: Answer, inflight: InflightGuard, drop_usage: bool) -> Relay {
         Relay {
-            upstream: Box::pin(resp.bytes_stream()),
+            upstream: Box::pin(http_body_util::BodyDataStream::new(resp.into_body())),
             idle: Duration::from_secs_f64(ticket.state.cfg.stream_idle_timeout),
             sleep: None,
             splitter: EventSplitter::default(),

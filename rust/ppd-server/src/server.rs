@@ -255,15 +255,24 @@ fn export_residency(st: &AppState) {
 pub async fn check_health(st: &AppState) {
     let nodes = st.registry.nodes();
     let checks = nodes.iter().map(|n| async move {
-        let ok = matches!(
-            tokio::time::timeout(Duration::from_secs(2), st.client().get(format!("{}/health", n.url)).send()).await,
-            Ok(Ok(r)) if r.status().is_success()
-        );
+        let get = |path: &str| {
+            tokio::time::timeout(
+                Duration::from_secs(2),
+                st.client().get(&format!("{}{path}", n.url)),
+            )
+        };
+        let ok = matches!(get("/health").await, Ok(Ok((status, _))) if status.is_success());
         n.set_healthy(ok);
         if ok && n.role != Role::P {
-            if let Ok(Ok(r)) = tokio::time::timeout(Duration::from_secs(2), st.client().get(format!("{}/v1/models", n.url)).send()).await {
-                if let Ok(v) = r.json::<serde_json::Value>().await {
-                    return v.get("data").and_then(|d| d.as_array()).cloned().unwrap_or_default();
+            if let Ok(Ok((status, body))) = get("/v1/models").await {
+                if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&body) {
+                    if status.is_success() {
+                        return v
+                            .get("data")
+                            .and_then(|d| d.as_array())
+                            .cloned()
+                            .unwrap_or_default();
+                    }
                 }
             }
         }
@@ -290,17 +299,11 @@ pub async fn scrape_load(st: &AppState) {
     let nodes = st.registry.nodes();
     let scrapes = nodes.iter().map(|n| async move {
         let got = tokio::time::timeout(timeout, async {
-            let r = st
-                .client()
-                .get(format!("{}/metrics", n.url))
-                .send()
-                .await
-                .ok()?;
-            if !r.status().is_success() {
+            let (status, body) = st.client().get(&format!("{}/metrics", n.url)).await.ok()?;
+            if !status.is_success() {
                 return None;
             }
-            let text = r.text().await.ok()?;
-            load::parse_metrics(&text, st.now_ms())
+            load::parse_metrics(&String::from_utf8_lossy(&body), st.now_ms())
         })
         .await;
         let label = || NodeLabel {

@@ -5,7 +5,7 @@ use parking_lot::Mutex;
 use serde::Serialize;
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use thread_local::ThreadLocal;
 
 use ppd_core::builtin::load_table;
@@ -16,6 +16,7 @@ use ppd_core::tokens::{TokenCounter, WordRule};
 use ppd_core::{DecisionEngine, Path, Reason, Role};
 
 use crate::admission::Admission;
+use crate::client::NodeClient;
 use crate::config::{self, RouterConfig, Settings};
 use crate::connector::{self, KvConnector};
 use crate::metrics::Metrics;
@@ -59,9 +60,9 @@ pub struct AppState {
     pub metrics: Metrics,
     /// One HTTP client (and so one upstream connection pool) per thread: see
     /// [`AppState::client`].
-    clients: ThreadLocal<reqwest::Client>,
+    clients: ThreadLocal<NodeClient>,
     /// Built at start, so a client that cannot be built is a start-up error.
-    first_client: reqwest::Client,
+    first_client: NodeClient,
     pub counter: Arc<dyn TokenCounter>,
     /// Renders requests into node token ids for exact residency (`None`: approximate only).
     pub renderer: Option<Arc<dyn PromptRenderer>>,
@@ -119,7 +120,7 @@ impl AppState {
         };
         let renderer = prompt_renderer(&cfg)?;
         let first_client =
-            http_client(&cfg).map_err(|e| ServerError::Config(format!("HTTP client: {e}")))?;
+            NodeClient::new(&cfg).map_err(|e| ServerError::Config(format!("HTTP client: {e}")))?;
         let started_wall_ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)
@@ -176,9 +177,9 @@ impl AppState {
     /// task on the runtime that opened it; with a pool per thread, a request on
     /// a thread-per-core I/O thread only uses connections driven on that same
     /// thread, so no wake-up crosses threads.
-    pub fn client(&self) -> &reqwest::Client {
+    pub(crate) fn client(&self) -> &NodeClient {
         self.clients
-            .get_or(|| http_client(&self.cfg).unwrap_or_else(|_| self.first_client.clone()))
+            .get_or(|| NodeClient::new(&self.cfg).unwrap_or_else(|_| self.first_client.clone()))
     }
 
     /// Wall-clock milliseconds that never step back (monotonic since start).
@@ -235,34 +236,6 @@ impl AppState {
     }
 }
 
-/// The client of every node call. With `upstream_api_key` it sends
-/// `Authorization: Bearer <key>` on each call (completions, health checks,
-/// `/metrics` scrapes, `/v1/models`); `https://` nodes are reached over rustls
-/// with the public web roots and, with `upstream_ca_file`, its CAs.
-pub(crate) fn http_client(cfg: &RouterConfig) -> Result<reqwest::Client, String> {
-    let mut b = reqwest::Client::builder()
-        .connect_timeout(Duration::from_secs_f64(cfg.connect_timeout))
-        .pool_idle_timeout(Duration::from_secs(90))
-        .pool_max_idle_per_host(1024)
-        .tcp_nodelay(true);
-    if let Some(key) = cfg.upstream_secret.get() {
-        let mut v = axum::http::HeaderValue::from_str(&format!("Bearer {key}"))
-            .map_err(|_| "invalid setting `upstream_api_key`: not a header value".to_owned())?;
-        v.set_sensitive(true);
-        let mut h = reqwest::header::HeaderMap::new();
-        h.insert(reqwest::header::AUTHORIZATION, v);
-        b = b.default_headers(h);
-    }
-    if let Some(path) = &cfg.upstream_ca_file {
-        for cert in config::read_ca_file(path)
-            .map_err(|e| format!("invalid setting `upstream_ca_file`: {e}"))?
-        {
-            b = b.add_root_certificate(cert);
-        }
-    }
-    b.build().map_err(|e| e.to_string())
-}
-
 /// The renderer of exact residency, from `prompt_renderer` and `tokenizer`.
 fn prompt_renderer(cfg: &RouterConfig) -> Result<Option<Arc<dyn PromptRenderer>>, ServerError> {
     Ok(match (cfg.prompt_renderer, &cfg.tokenizer) {
@@ -281,106 +254,6 @@ fn prompt_renderer(cfg: &RouterConfig) -> Result<Option<Arc<dyn PromptRenderer>>
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-    /// A one-answer-per-connection HTTPS node on 127.0.0.1 with a self-signed
-    /// certificate for `localhost`: answers 200 and sends back the
-    /// `Authorization` line it got (or `none`). Returns its port and the
-    /// certificate's PEM.
-    // ring, the provider reqwest's rustls uses here (rustls deprecates it
-    // for lacking post-quantum key exchange, irrelevant to a test node).
-    #[allow(deprecated)]
-    async fn tls_node() -> (u16, String) {
-        let key = rcgen::KeyPair::generate().unwrap();
-        let cert = rcgen::CertificateParams::new(vec!["localhost".to_owned()])
-            .unwrap()
-            .self_signed(&key)
-            .unwrap();
-        let pem = cert.pem();
-        let server = rustls::ServerConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_no_client_auth()
-        .with_single_cert(
-            vec![cert.der().clone()],
-            rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
-        )
-        .unwrap();
-        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(server));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        tokio::spawn(async move {
-            while let Ok((tcp, _)) = listener.accept().await {
-                let acceptor = acceptor.clone();
-                tokio::spawn(async move {
-                    let Ok(mut tls) = acceptor.accept(tcp).await else {
-                        return;
-                    };
-                    let mut head = Vec::new();
-                    let mut buf = [0u8; 1024];
-                    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                        match tls.read(&mut buf).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => head.extend_from_slice(&buf[..n]),
-                        }
-                    }
-                    let head = String::from_utf8_lossy(&head).to_lowercase();
-                    let auth = head
-                        .lines()
-                        .find_map(|l| l.strip_prefix("authorization: "))
-                        .unwrap_or("none")
-                        .to_owned();
-                    let answer = format!(
-                        "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{auth}",
-                        auth.len()
-                    );
-                    let _ = tls.write_all(answer.as_bytes()).await;
-                    let _ = tls.shutdown().await;
-                });
-            }
-        });
-        (port, pem)
-    }
-
-    fn settings_with(mutate: impl FnOnce(&mut RouterConfig)) -> RouterConfig {
-        let mut c = RouterConfig::default();
-        mutate(&mut c);
-        c.validate().unwrap().config().clone()
-    }
-
-    #[tokio::test]
-    async fn https_nodes_are_reached_with_the_ca_file_and_the_upstream_key() {
-        let (port, pem) = tls_node().await;
-        let dir = std::env::temp_dir().join(format!("ppd-tls-{}-{port}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let ca = dir.join("ca.pem");
-        std::fs::write(&ca, &pem).unwrap();
-        let url = format!("https://localhost:{port}/health");
-        let node = format!("https://localhost:{port}");
-
-        // The node's certificate is trusted through upstream_ca_file; the
-        // upstream key goes on every call the client makes.
-        let cfg = settings_with(|c| {
-            c.replica = vec![node.clone()];
-            c.upstream_ca_file = Some(ca.display().to_string());
-            c.upstream_api_key = Some("node-key".into());
-        });
-        let client = http_client(&cfg).unwrap();
-        let r = client.get(&url).send().await.unwrap();
-        assert_eq!(r.status(), 200);
-        assert_eq!(r.text().await.unwrap(), "bearer node-key");
-
-        // Without the key, nothing; without the CA, the handshake fails.
-        let cfg = settings_with(|c| c.upstream_ca_file = Some(ca.display().to_string()));
-        let r = http_client(&cfg).unwrap().get(&url).send().await.unwrap();
-        assert_eq!(r.text().await.unwrap(), "none");
-        let untrusting = http_client(&RouterConfig::default()).unwrap();
-        let e = untrusting.get(&url).send().await.unwrap_err();
-        assert!(e.is_connect(), "{e:?}");
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
 
     #[test]
     fn a_ca_file_that_is_not_pem_certificates_is_refused_by_name() {

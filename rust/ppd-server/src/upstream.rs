@@ -5,8 +5,8 @@
 //! by the caller.
 
 use axum::body::Bytes;
-use axum::http::header::CONTENT_TYPE;
-use axum::http::{HeaderValue, StatusCode};
+use axum::http::header::AUTHORIZATION;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,6 +15,7 @@ use ppd_core::Role;
 
 use crate::body::answer_without_router_fields;
 use crate::bookkeeping::upstream_error;
+use crate::client::{read_body, Answer, CallError, NodeClient};
 use crate::error::openai_error;
 use crate::load::Work;
 use crate::metrics::ResultLabel;
@@ -38,13 +39,25 @@ impl Endpoint {
         }
     }
 
-    /// A POST to this endpoint on `node`, from the URL the registry parsed once.
-    fn post(self, client: &reqwest::Client, node: &Node) -> reqwest::RequestBuilder {
-        match &node.endpoint_urls {
-            Some(urls) => client.post(urls[self as usize].clone()),
-            // Unparseable: the client reports why when the request is sent.
-            None => client.post(format!("{}{}", node.url, self.path())),
-        }
+    /// POSTs `body` to this endpoint on `node`, at the URL the registry parsed once.
+    async fn post(
+        self,
+        client: &NodeClient,
+        node: &Node,
+        headers: HeaderMap,
+        body: Bytes,
+    ) -> Result<Answer, CallError> {
+        let uri = match &node.endpoint_urls {
+            Some(urls) => urls[self as usize].clone(),
+            None => {
+                let url = format!("{}{}", node.url, self.path());
+                url.parse::<Uri>().map_err(|e| CallError {
+                    message: format!("{url}: {e}"),
+                    connect: true,
+                })?
+            }
+        };
+        client.post_json(uri, headers, body).await
     }
 }
 
@@ -58,15 +71,19 @@ pub(crate) struct NodeHeaders<'a> {
 }
 
 impl NodeHeaders<'_> {
-    fn apply(self, req: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
-        let mut req = req.header(REQUEST_ID, self.request_id);
+    fn into_map(self) -> HeaderMap {
+        let mut h = HeaderMap::with_capacity(4);
+        // A request id is a token the router made or checked at the door.
+        if let Ok(v) = HeaderValue::from_str(self.request_id) {
+            h.insert(REQUEST_ID, v);
+        }
         if let Some(a) = self.authorization {
-            req = req.header(axum::http::header::AUTHORIZATION, a);
+            h.insert(AUTHORIZATION, a);
         }
-        match self.traceparent {
-            Some(tp) => req.header(TRACEPARENT, tp),
-            None => req,
+        if let Some(tp) = self.traceparent {
+            h.insert(TRACEPARENT, tp);
         }
+        h
     }
 }
 
@@ -88,10 +105,7 @@ pub(crate) async fn prefill(
     work: Work,
 ) -> Result<Bytes, PrefillError> {
     let _inflight = InflightGuard::new(Arc::clone(p)).with_work(work);
-    let req = endpoint
-        .post(st.client(), p)
-        .header(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    let send = headers.apply(req).body(body).send();
+    let send = endpoint.post(st.client(), p, headers.into_map(), body);
     let timeout = Duration::from_secs_f64(st.cfg.prefill_timeout);
     let failed = |kind: &'static str, why: String| {
         upstream_error(st, Role::P, kind);
@@ -103,7 +117,7 @@ pub(crate) async fn prefill(
         Ok(Ok(r)) => r,
     };
     let status = resp.status();
-    let bytes = match tokio::time::timeout(timeout, resp.bytes()).await {
+    let bytes = match tokio::time::timeout(timeout, read_body(resp)).await {
         Ok(Ok(b)) => b,
         Ok(Err(e)) => return Err(failed("body", e.to_string())),
         Err(_) => return Err(failed("timeout", "prefill body timed out".into())),
@@ -136,16 +150,13 @@ pub(crate) async fn send(
     body: Bytes,
     headers: NodeHeaders<'_>,
     timeout: Duration,
-) -> Result<reqwest::Response, SendError> {
-    let req = endpoint
-        .post(st.client(), d)
-        .header(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    let req = headers.apply(req).body(body);
-    match tokio::time::timeout(timeout, req.send()).await {
+) -> Result<Answer, SendError> {
+    let send = endpoint.post(st.client(), d, headers.into_map(), body);
+    match tokio::time::timeout(timeout, send).await {
         Err(_) => Err(SendError::Timeout(timeout)),
         Ok(Err(e)) => Err(SendError::Connect {
-            refused: e.is_connect(),
-            message: e.to_string(),
+            refused: e.connect,
+            message: e.message,
         }),
         Ok(Ok(r)) => Ok(r),
     }
@@ -170,11 +181,12 @@ pub(crate) async fn release_staged(
     );
     let timeout = Duration::from_secs_f64(st.cfg.connect_timeout + 5.0);
     for node in candidates.take(3) {
-        let send = Endpoint::Completions
-            .post(st.client(), node)
-            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
-            .body(body.clone())
-            .send();
+        let send = Endpoint::Completions.post(
+            st.client(),
+            node,
+            HeaderMap::new(),
+            Bytes::from(body.clone()),
+        );
         if let Ok(Ok(_)) = tokio::time::timeout(timeout, send).await {
             st.metrics
                 .kv_releases
@@ -192,9 +204,9 @@ pub(crate) async fn release_staged(
 }
 
 /// The whole body of an answer, within the request timeout.
-pub(crate) async fn read_all(st: &AppState, resp: reqwest::Response) -> Option<Bytes> {
+pub(crate) async fn read_all(st: &AppState, resp: Answer) -> Option<Bytes> {
     let timeout = Duration::from_secs_f64(st.cfg.request_timeout);
-    tokio::time::timeout(timeout, resp.bytes())
+    tokio::time::timeout(timeout, read_body(resp))
         .await
         .ok()
         .and_then(Result::ok)
@@ -217,11 +229,7 @@ fn passthrough(status: StatusCode, bytes: Bytes) -> Response {
 }
 
 /// A node's error answer, passed on with its status.
-pub(crate) async fn error_answer(
-    st: &AppState,
-    status: StatusCode,
-    resp: reqwest::Response,
-) -> Response {
+pub(crate) async fn error_answer(st: &AppState, status: StatusCode, resp: Answer) -> Response {
     passthrough(status, read_all(st, resp).await.unwrap_or_default())
 }
 
