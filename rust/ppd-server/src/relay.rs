@@ -103,6 +103,9 @@ type ByteStream = Pin<Box<dyn Stream<Item = Result<Bytes, hyper::Error>> + Send>
 pub(crate) struct Relay {
     upstream: ByteStream,
     idle: Duration,
+    /// When the node last sent something; the idle timer is moved to
+    /// `last_data + idle` only when it fires, not re-armed per chunk.
+    last_data: Instant,
     sleep: Option<Pin<Box<tokio::time::Sleep>>>,
     splitter: EventSplitter,
     drop_usage: bool,
@@ -127,6 +130,7 @@ impl Relay {
         Relay {
             upstream: Box::pin(http_body_util::BodyDataStream::new(resp.into_body())),
             idle: Duration::from_secs_f64(ticket.state.cfg.stream_idle_timeout),
+            last_data: Instant::now(),
             sleep: None,
             splitter: EventSplitter::default(),
             drop_usage,
@@ -240,7 +244,7 @@ impl Stream for Relay {
         loop {
             match this.upstream.poll_next_unpin(cx) {
                 Poll::Ready(Some(Ok(chunk))) => {
-                    this.sleep = None;
+                    this.last_data = Instant::now();
                     this.splitter.push(&chunk);
                     if let Some(out) = this.drain() {
                         return Poll::Ready(Some(Ok(out)));
@@ -262,13 +266,17 @@ impl Stream for Relay {
                     return Poll::Ready(rest.map(Ok));
                 }
                 Poll::Pending => {
-                    let idle = this.idle;
+                    let (idle, deadline) = (this.idle, this.last_data + this.idle);
                     let sleep = this
                         .sleep
-                        .get_or_insert_with(|| Box::pin(tokio::time::sleep(idle)));
-                    if sleep.as_mut().poll(cx).is_ready() {
-                        let msg = format!("upstream sent nothing for {idle:?}");
-                        return Poll::Ready(Some(Ok(this.fail(&msg, "stream_idle"))));
+                        .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline.into())));
+                    while sleep.as_mut().poll(cx).is_ready() {
+                        if Instant::now() >= deadline {
+                            let msg = format!("upstream sent nothing for {idle:?}");
+                            return Poll::Ready(Some(Ok(this.fail(&msg, "stream_idle"))));
+                        }
+                        // Data came since the timer was set: wait out the rest.
+                        sleep.as_mut().reset(deadline.into());
                     }
                     return Poll::Pending;
                 }
