@@ -179,15 +179,24 @@ def build_loadgen() -> None:
     subprocess.run(["cargo", "build", "--release", "--offline", "-q"], cwd=LOADGEN_DIR, env=env, check=True)
 
 
-def bodies(tmp: Path, max_tokens: int) -> tuple[Path, Path]:
+def bodies(tmp: Path, max_tokens: int, d_url: str | None = None) -> tuple[Path, Path]:
+    """Turn 1 and Turn 2 of one conversation, greedy. With `d_url`, Turn 2's history holds the
+    answer that node gives Turn 1, as a client's would: ppd-router checks that a named session's
+    history extends what it served (else the turn is pd/prefix_mismatch)."""
     user1 = "Tell me about the history of the city of Lyon in a few sentences, please."
     t1 = {"model": MODEL, "messages": [{"role": "user", "content": user1}],
-          "max_tokens": max_tokens, "stream": True}
+          "max_tokens": max_tokens, "stream": True, "temperature": 0}
+    answer = "Lyon was founded by the Romans as Lugdunum in 43 BC."
+    if d_url:
+        req = urllib.request.Request(f"{d_url}/v1/chat/completions", data=json.dumps({**t1, "stream": False}).encode(),
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            answer = json.loads(r.read())["choices"][0]["message"]["content"]
     t2 = {"model": MODEL, "messages": [
         {"role": "user", "content": user1},
-        {"role": "assistant", "content": "Lyon was founded by the Romans as Lugdunum in 43 BC."},
+        {"role": "assistant", "content": answer},
         {"role": "user", "content": "And what about its food?"}],
-        "max_tokens": max_tokens, "stream": True}
+        "max_tokens": max_tokens, "stream": True, "temperature": 0}
     p1, p2 = tmp / "turn1.json", tmp / "turn2.json"
     p1.write_text(json.dumps(t1))
     p2.write_text(json.dumps(t2))
@@ -276,7 +285,6 @@ def main() -> None:
     targets = [t for t in args.targets if (have_vllm or not t.startswith("vllm"))
                and (args.router_b or not t.startswith("b_"))]
     tmp = Path(tempfile.mkdtemp(prefix="router-overhead-"))
-    t1, t2 = bodies(tmp, args.max_tokens)
     procs = Procs(tmp)
     port = {k: free_port() for k in ("P", "D", "ppd", "vllm", "b")}
     url = {k: f"http://127.0.0.1:{v}" for k, v in port.items()}
@@ -287,6 +295,7 @@ def main() -> None:
         "logs": str(tmp), "build": build_info()}}
     try:
         pid = start_nodes(procs, ppd, port, url)
+        t1, t2 = bodies(tmp, args.max_tokens, url["D"])
         extra = tmp / "ppd-settings.toml"
         extra.write_text("".join(f"{kv.split('=', 1)[0].strip()} = {kv.split('=', 1)[1].strip()}\n"
                                  for kv in args.ppd_setting))
@@ -554,7 +563,6 @@ def instructions(n: int, builds: list[str]) -> None:
     Turn-2 requests on the local path at 50/s, dump, divide. Machine load does not change it."""
     build_loadgen()
     tmp = Path(tempfile.mkdtemp(prefix="router-instructions-"))
-    t1, t2 = bodies(tmp, 8)
     procs = Procs(tmp)
     port = {k: free_port() for k in ("P", "D", "r")}
     url = {k: f"http://127.0.0.1:{v}" for k, v in port.items()}
@@ -566,6 +574,7 @@ def instructions(n: int, builds: list[str]) -> None:
             p = procs.start(f"emu-{key}", [ppd, "emulate", "--role", role, "--port", str(port[key]),
                                             "--profile", str(PROFILE)])
             wait_http(url[key] + "/health", 30, p)
+        t1, t2 = bodies(tmp, 8, url["D"])
         for i, build in enumerate(builds):
             cfg = tmp / f"router-{i}.toml"
             cfg.write_text(f'port = {port["r"]}\nprefill = ["{url["P"]}"]\npd_capable = ["{url["D"]}"]\n'

@@ -12,16 +12,25 @@ Pairs (routed target vs its baseline):
 
   relay_t2      vs direct_t2     bare TCP relay in front of the pD node (ppd-server's tcp_relay
                                  example): the floor that any proxy process adds on this machine
+  nginx_local_t2 vs direct_t2    nginx (Debian's package: apt-get install nginx-light) proxying to
+                                 the pD node: keep-alive pool of 64 upstream connections, no
+                                 buffering, 2 workers, no access log
+  smg_local_t2  vs direct_t2     SGLang's gateway (PyPI smg) over the pD node, round robin
+  vllm_local_t2 vs direct_t2     PyPI vllm-router over the pD node, round robin
   ppd_local_t2  vs direct_t2     ppd-router serve, path local, default runtime (thread-per-core)
   ws_local_t2   vs direct_t2     ppd-router serve --runtime work-stealing, path local
   one_local_t2  vs direct_t2     ppd-router serve --worker-threads 1 (one I/O thread), path local
   ppd_pd_t1     vs client_pd_t1  ppd-router, path pd (P then D), vs the NIXL exchange done by
                                  the load generator itself (a zero-cost router)
   vllm_pd_t1    vs client_pd_t1  PyPI vllm-router --vllm-pd-disaggregation on the same nodes
+  smg_pd_t1     vs client_pd_t1  smg --pd-disaggregation (its SGLang protocol: P and D called at
+                                 once) on the same nodes
   b_local_t2    vs direct_t2     with --router-b: a second ppd-router build (its serve_toml
   b_pd_t1       vs client_pd_t1  example), local and pd paths, for an old-vs-new comparison
 
-It also reports the CPU each router process spent per request it served in the window.
+It also reports the CPU each router process (with its children: nginx's workers) spent per
+request it served in the window, and the ratios of ppd-router to each peer in the same run.
+Every peer logs at warning level or not at all, as ppd-router does by default.
 
     . .venv/bin/activate
     cargo build --release -p ppd-server --example tcp_relay
@@ -29,8 +38,9 @@ It also reports the CPU each router process spent per request it served in the w
         --out bench/results/overhead-paired.json
     python bench/scripts/router_overhead_paired.py --report bench/results/overhead-paired.json
 
-Every process started here is stopped at the end; vllm-router comes from .venv-bench
-(python -m venv .venv-bench && .venv-bench/bin/pip install vllm-router).
+Every process started here is stopped at the end; vllm-router and smg come from .venv-bench
+(python -m venv .venv-bench && .venv-bench/bin/pip install vllm-router smg), nginx from PATH or
+/usr/sbin; a peer that is not installed is left out of the run.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -46,7 +57,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from router_overhead import (  # noqa: E402 - the sibling script's process and load helpers
+from router_overhead import (  # the sibling script's process and load helpers
     WARMUP,
     Procs,
     bodies,
@@ -66,19 +77,28 @@ ROOT = Path(__file__).resolve().parents[2]
 RELAY = ROOT / "target" / "release" / "examples" / "tcp_relay"
 PAIRS = [
     ("relay_t2", "direct_t2"),
+    ("nginx_local_t2", "direct_t2"),
     ("ppd_local_t2", "direct_t2"),
     ("ws_local_t2", "direct_t2"),
     ("one_local_t2", "direct_t2"),
+    ("smg_local_t2", "direct_t2"),
+    ("vllm_local_t2", "direct_t2"),
     ("ppd_pd_t1", "client_pd_t1"),
     ("vllm_pd_t1", "client_pd_t1"),
+    ("smg_pd_t1", "client_pd_t1"),
     ("b_local_t2", "direct_t2"),
     ("b_pd_t1", "client_pd_t1"),
 ]
+# Targets measured only when named in --pairs.
+ON_REQUEST = ("ws_local_t2", "one_local_t2", "b_local_t2", "b_pd_t1")
+# ppd-router ÷ each peer, per path: (ppd-router's target, the peers' targets).
+PEERS = [("ppd_local_t2", ["relay_t2", "nginx_local_t2", "smg_local_t2", "vllm_local_t2"]),
+         ("ppd_pd_t1", ["vllm_pd_t1", "smg_pd_t1"])]
 # ppd-router instances: key -> extra `serve` flags
 PPD_ROUTERS = {"ppd": [], "ws": ["--runtime", "work-stealing"], "one": ["--worker-threads", "1"]}
-ROUTER_OF = {"relay_t2": "relay", "ppd_local_t2": "ppd", "ws_local_t2": "ws", "one_local_t2": "one",
-             "ppd_pd_t1": "ppd",
-             "vllm_pd_t1": "vllm", "b_local_t2": "b", "b_pd_t1": "b"}
+ROUTER_OF = {"relay_t2": "relay", "nginx_local_t2": "nginx", "ppd_local_t2": "ppd", "ws_local_t2": "ws",
+             "one_local_t2": "one", "smg_local_t2": "smg_local", "vllm_local_t2": "vllm_local",
+             "ppd_pd_t1": "ppd", "vllm_pd_t1": "vllm", "smg_pd_t1": "smg_pd", "b_local_t2": "b", "b_pd_t1": "b"}
 
 
 def main() -> None:
@@ -87,15 +107,16 @@ def main() -> None:
     ap.add_argument("--probe-share", type=float, default=0.25, help="baseline rate as a share of the routed rate")
     ap.add_argument("--duration", type=float, default=8.0)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--pairs", nargs="*",
-                    default=[p[0] for p in PAIRS if p[0] not in ("one_local_t2", "b_local_t2", "b_pd_t1")],
-                    help="routed targets to measure (one_local_t2 only when named; b_* with --router-b)")
+    ap.add_argument("--pairs", nargs="*", default=[p[0] for p in PAIRS if p[0] not in ON_REQUEST],
+                    help=f"routed targets to measure ({', '.join(ON_REQUEST)} only when named; b_* with --router-b)")
     ap.add_argument("--router-b", help="a second router build, run as `ROUTER_B CONFIG.toml` (the serve_toml "
                     "example of ppd-server); measured as b_local_t2 and b_pd_t1 when named in --pairs")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--sessions", type=int, default=256)
     ap.add_argument("--timeout", type=float, default=5.0)
     ap.add_argument("--vllm-router", default=str(ROOT / ".venv-bench" / "bin" / "vllm-router"))
+    ap.add_argument("--smg", default=str(ROOT / ".venv-bench" / "bin" / "smg"))
+    ap.add_argument("--nginx", default=shutil.which("nginx") or "/usr/sbin/nginx")
     ap.add_argument("--out")
     ap.add_argument("--report", metavar="JSON", help="print the tables of a saved run and exit")
     args = ap.parse_args()
@@ -107,13 +128,17 @@ def main() -> None:
     if not RELAY.exists():
         raise SystemExit(f"{RELAY} missing: cargo build --release -p ppd-server --example tcp_relay")
     ppd = str(Path(sys.executable).parent / "ppd-router")
-    have_vllm = Path(args.vllm_router).exists()
-    pairs = [p for p in PAIRS if p[0] in args.pairs and (have_vllm or p[0] != "vllm_pd_t1")
-             and (args.router_b or not p[0].startswith("b_"))]
+    installed = {"vllm": Path(args.vllm_router).exists(), "smg": Path(args.smg).exists(),
+                 "nginx": Path(args.nginx).exists(), "b": bool(args.router_b)}
+    pairs = [p for p in PAIRS if p[0] in args.pairs
+             and installed.get(ROUTER_OF[p[0]].split("_")[0], True)]
+    missing = sorted({ROUTER_OF[p] for p in args.pairs} - {ROUTER_OF[p[0]] for p in pairs})
+    if missing:
+        print(f"left out (not installed): {', '.join(missing)}", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="router-overhead-paired-"))
-    t1, t2 = bodies(tmp, args.max_tokens)
     procs = Procs(tmp)
-    port = {k: free_port() for k in ("P", "D", *PPD_ROUTERS, "vllm", "relay", "b")}
+    port = {k: free_port() for k in ("P", "D", *PPD_ROUTERS, "vllm", "relay", "b", "nginx", "smg_local",
+                                     "smg_pd", "vllm_local", "metrics_a", "metrics_b", "metrics_c")}
     url = {k: f"http://127.0.0.1:{v}" for k, v in port.items()}
     results: dict = {"runs": [], "meta": {
         "rates": args.rates, "probe_share": args.probe_share, "duration_s": args.duration, "reps": args.reps,
@@ -122,6 +147,7 @@ def main() -> None:
         "argv": sys.argv}}
     try:
         pid = start_nodes(procs, ppd, port, url)
+        t1, t2 = bodies(tmp, args.max_tokens, url["D"])
         for key in {ROUTER_OF[p[0]] for p in pairs} & PPD_ROUTERS.keys():
             r = procs.start(f"router-{key}", [ppd, "serve", "--prefill", url["P"], "--pd-capable", url["D"],
                                               "--policy", "local", *PPD_ROUTERS[key], "--port", str(port[key])])
@@ -133,9 +159,26 @@ def main() -> None:
         if any(p[0].startswith("b_") for p in pairs):
             pid["b"] = start_router_b(procs, args.router_b, tmp, url, port["b"])
             results["meta"]["router_b"] = args.router_b
-        if have_vllm and any(p[0] == "vllm_pd_t1" for p in pairs):
+        used = {ROUTER_OF[p[0]] for p in pairs}
+        if "vllm" in used:
             pid["vllm"], results["meta"]["vllm_router_version"] = start_vllm_router(
                 procs, args.vllm_router, url, port["vllm"])
+        if "vllm_local" in used:
+            pid["vllm_local"], results["meta"]["vllm_router_version"] = start_peer(
+                procs, "vllm-router-local", [args.vllm_router, "--worker-urls", url["D"], "--policy", "round_robin",
+                                             "--log-level", "warning", "--prometheus-host", "127.0.0.1",
+                                             "--prometheus-port", str(port["metrics_a"])],
+                port["vllm_local"], "vllm-router")
+        for key, mode in (("smg_local", ["--worker-urls", url["D"]]),
+                          ("smg_pd", ["--pd-disaggregation", "--prefill", url["P"], "--decode", url["D"]])):
+            if key in used:
+                metrics = port["metrics_b" if key == "smg_local" else "metrics_c"]
+                pid[key], results["meta"]["smg_version"] = start_peer(
+                    procs, key, [args.smg, "launch", *mode, "--policy", "round_robin", "--log-level", "warn",
+                                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics)],
+                    port[key], "smg")
+        if "nginx" in used:
+            pid["nginx"], results["meta"]["nginx_version"] = start_nginx(procs, args.nginx, tmp, url, port["nginx"])
 
         def argv_for(target: str, rate: float, seed: int) -> list[str]:
             router = ROUTER_OF.get(target)
@@ -184,6 +227,53 @@ def main() -> None:
     report(results)
 
 
+def start_peer(procs: Procs, name: str, argv: list[str], port: int, package: str) -> tuple[int, str]:
+    """A PyPI router (vllm-router, smg) on 127.0.0.1:`port`; returns its pid once healthy and its version."""
+    p = procs.start(name, [*argv, "--host", "127.0.0.1", "--port", str(port)])
+    wait_http(f"http://127.0.0.1:{port}/health", 90, p)
+    version = subprocess.run([str(Path(argv[0]).parent / "python"), "-c",
+                              f"import importlib.metadata as m; print(m.version({package!r}))"],
+                             capture_output=True, text=True).stdout.strip()
+    return p.pid, version
+
+
+NGINX_CONF = """worker_processes 2;
+daemon off;
+pid {tmp}/nginx.pid;
+error_log {tmp}/nginx-error.log warn;
+events {{ worker_connections 8192; }}
+http {{
+    access_log off;
+    client_body_temp_path {tmp}/nginx-body;
+    proxy_temp_path {tmp}/nginx-proxy;
+    fastcgi_temp_path {tmp}/nginx-fastcgi;
+    uwsgi_temp_path {tmp}/nginx-uwsgi;
+    scgi_temp_path {tmp}/nginx-scgi;
+    upstream d {{ server {d}; keepalive 64; }}
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            proxy_pass http://d;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+        }}
+    }}
+}}
+"""
+
+
+def start_nginx(procs: Procs, exe: str, tmp: Path, url: dict, port: int) -> tuple[int, str]:
+    """nginx proxying 127.0.0.1:`port` to the pD node (the config above); returns its master's pid
+    (its workers are its children, whose CPU is counted with it) and its version."""
+    conf = tmp / "nginx.conf"
+    conf.write_text(NGINX_CONF.format(tmp=tmp, d=url["D"].removeprefix("http://"), port=port))
+    p = procs.start("nginx", [exe, "-c", str(conf), "-p", str(tmp)])
+    wait_http(f"http://127.0.0.1:{port}/health", 30, p)
+    version = subprocess.run([exe, "-v"], capture_output=True, text=True).stderr.strip()
+    return p.pid, version.split("/")[-1]
+
+
 def added(r: dict, q: str) -> float | None:
     a, b = r["routed_summary"]["ttft_us"].get(q), r["base_summary"]["ttft_us"].get(q)
     return None if a is None or b is None else a - b
@@ -208,7 +298,7 @@ def ratio_table(runs: list, rates: list, pairs: list, title: str) -> None:
     print("|---|---:|---:|---:|---:|---:|---:|")
     for a_name, b_name in pairs:
         for rate in rates:
-            def mv(routed: str, f) -> float:
+            def mv(routed: str, f, rate: float = rate) -> float:
                 return med([f(r) for r in runs if r["routed"] == routed and r["rate"] == rate])
             if not any(r["routed"] == b_name and r["rate"] == rate for r in runs):
                 continue
@@ -230,7 +320,8 @@ def report(results: dict) -> None:
     m = results["meta"]
     print(f"\nbuild {m['build'].get('head')} (sources dirty: {m['build'].get('rust_sources_dirty')}), "
           f"{m['start_utc']} - {m.get('end_utc')} UTC, {m['reps']} reps x {m['duration_s']} s, "
-          f"baseline at {m['probe_share']:g} x the routed rate; vllm-router {m.get('vllm_router_version', '-')}")
+          f"baseline at {m['probe_share']:g} x the routed rate; vllm-router {m.get('vllm_router_version', '-')}, "
+          f"smg {m.get('smg_version', '-')}, nginx {m.get('nginx_version', '-')}")
     print("\nAdded TTFT (routed - baseline in the same window), µs: median over repetitions [min .. max]; "
           "router CPU µs per request; success")
     print("| routed | baseline | rate/s | added p50 | added p99 | routed p50 / p99 | baseline p50 / p99 "
@@ -256,23 +347,37 @@ def report(results: dict) -> None:
     rates = sorted({r["rate"] for r in runs})
     ratio_table(runs, rates, [("ppd_local_t2", "b_local_t2"), ("ppd_pd_t1", "b_pd_t1")],
                 f"this build / router B ({m.get('router_b', '-')}), same nodes, same run (< 1: this build better)")
-    print("\nppd-router / vllm-router, PD path, same nodes, same run (< 1: ppd-router better)")
-    print("| rate/s | added p50 ratio | added p99 ratio | routed TTFT p50 ratio | routed TTFT p99 ratio "
-          "| CPU/req ratio |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    for rate in rates:
-        def mv(routed: str, f) -> float:
-            return med([f(r) for r in runs if r["routed"] == routed and r["rate"] == rate])
-        if not any(r["routed"] == "vllm_pd_t1" and r["rate"] == rate for r in runs):
-            continue
-        cells = []
-        for f in (lambda r: added(r, "p50"), lambda r: added(r, "p99"),
-                  lambda r: r["routed_summary"]["ttft_us"]["p50"], lambda r: r["routed_summary"]["ttft_us"]["p99"],
-                  lambda r: r["router_cpu_us_per_req"]):
-            a, b = mv("ppd_pd_t1", f), mv("vllm_pd_t1", f)
-            cells.append(f"{a / b:.2f}" if b and b > 0 and a == a else "n/a")
-        print(f"| {rate:g} | " + " | ".join(cells) + " |")
+    peers_table(runs, rates)
+    print("\nLoad average (1 min) before and after each pair, per repetition")
+    print("| rep | rate/s | load average range |")
+    print("|---:|---:|---|")
+    for rep in sorted({r["rep"] for r in runs}):
+        for rate in rates:
+            la = [float(x) for r in runs if r["rep"] == rep and r["rate"] == rate for x in r["loadavg_before_after"]]
+            if la:
+                print(f"| {rep} | {rate:g} | {min(la):.2f} .. {max(la):.2f} |")
 
+
+def peers_table(runs: list, rates: list) -> None:
+    """ppd-router ÷ each peer on the same path, medians over repetitions of one run (< 1: ppd-router better)."""
+    print("\nppd-router / each peer, same nodes, same run: ratios of medians (< 1: ppd-router better)")
+    print("| ppd-router / peer | rate/s | added p50 | added p99 | routed TTFT p50 | routed TTFT p99 | CPU/req |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for ours, peers in PEERS:
+        for peer in peers:
+            for rate in rates:
+                def mv(routed: str, f, rate: float = rate) -> float:
+                    return med([f(r) for r in runs if r["routed"] == routed and r["rate"] == rate])
+                if not any(r["routed"] == peer and r["rate"] == rate for r in runs):
+                    continue
+                cells = []
+                for f in (lambda r: added(r, "p50"), lambda r: added(r, "p99"),
+                          lambda r: r["routed_summary"]["ttft_us"]["p50"],
+                          lambda r: r["routed_summary"]["ttft_us"]["p99"],
+                          lambda r: r["router_cpu_us_per_req"]):
+                    a, b = mv(ours, f), mv(peer, f)
+                    cells.append(f"{a / b:.2f}" if b and b > 0 and a == a else "n/a")
+                print(f"| {ours} / {peer} | {rate:g} | " + " | ".join(cells) + " |")
 
 if __name__ == "__main__":
     main()
