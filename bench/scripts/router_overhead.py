@@ -557,10 +557,11 @@ def python_probe(rates: list[float], duration: float) -> None:
         procs.stop_all()
 
 
-def instructions(n: int, builds: list[str]) -> None:
+def instructions(n: int, builds: list[str], max_tokens: int = 8) -> None:
     """User-space instructions per request of each router build (`BUILD CONFIG.toml`, e.g. the
     serve_toml example), under valgrind's callgrind: warm up, zero the counters, send ~n streamed
-    Turn-2 requests on the local path at 50/s, dump, divide. Machine load does not change it."""
+    Turn-2 requests of `max_tokens` tokens on the local path at 50/s, dump, divide. Machine load
+    does not change it; two runs with different `max_tokens` give the cost of a relayed token."""
     build_loadgen()
     tmp = Path(tempfile.mkdtemp(prefix="router-instructions-"))
     procs = Procs(tmp)
@@ -574,7 +575,7 @@ def instructions(n: int, builds: list[str]) -> None:
             p = procs.start(f"emu-{key}", [ppd, "emulate", "--role", role, "--port", str(port[key]),
                                             "--profile", str(PROFILE)])
             wait_http(url[key] + "/health", 30, p)
-        t1, t2 = bodies(tmp, 8, url["D"])
+        t1, t2 = bodies(tmp, max_tokens, url["D"])
         for i, build in enumerate(builds):
             cfg = tmp / f"router-{i}.toml"
             cfg.write_text(f'port = {port["r"]}\nprefill = ["{url["P"]}"]\npd_capable = ["{url["D"]}"]\n'
@@ -607,8 +608,11 @@ if __name__ == "__main__":
         # python router_overhead.py --python-probe DURATION RATE...
         python_probe([float(x) for x in sys.argv[3:]], float(sys.argv[2]))
     elif len(sys.argv) > 1 and sys.argv[1] == "--instructions":
-        # python router_overhead.py --instructions N BUILD...
-        instructions(int(sys.argv[2]), sys.argv[3:])
+        # python router_overhead.py --instructions N [--max-tokens K] BUILD...
+        if sys.argv[3] == "--max-tokens":
+            instructions(int(sys.argv[2]), sys.argv[5:], int(sys.argv[4]))
+        else:
+            instructions(int(sys.argv[2]), sys.argv[3:])
     elif len(sys.argv) > 1 and sys.argv[1] == "--report":
         # Re-print the tables from a saved --out file.
         data = json.loads(Path(sys.argv[2]).read_text())

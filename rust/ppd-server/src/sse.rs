@@ -90,17 +90,18 @@ pub fn event_data(event: &[u8]) -> Option<Cow<'_, str>> {
 }
 
 pub fn classify(event: &[u8]) -> EventKind {
-    let text = match std::str::from_utf8(event) {
-        Ok(t) => t,
-        Err(_) => return EventKind::Other,
-    };
     // Token chunks are most of a stream: one without "usage" or "error" in it
-    // needs no JSON parse (nor line splitting) to be known as data.
+    // needs no JSON parse (nor line splitting, nor UTF-8 check) to be known
+    // as data; the relay passes its bytes on as they came.
     if let Some(data) = single_data_line(event) {
         if data.trim_ascii_start().starts_with(b"{") && plain_token_chunk(data) {
             return EventKind::Data { usage: None };
         }
     }
+    let text = match std::str::from_utf8(event) {
+        Ok(t) => t,
+        Err(_) => return EventKind::Other,
+    };
     let Some(data) = joined_data(text) else {
         return EventKind::Other;
     };
