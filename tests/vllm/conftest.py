@@ -37,12 +37,16 @@ HERE = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Tests that kill a node of the shared cluster run after every other test of the tier.
+    # Tests that kill a node of the shared cluster run after every other test of the tier; tests with
+    # a cluster of their own run before the shared one starts (their module-scoped cluster stops at the
+    # module's end), so that two clusters never share CI's two cores.
     mine = [i for i in items if HERE in Path(str(i.fspath)).parents]
     destructive = [i for i in mine if i.get_closest_marker("destructive")]
-    if destructive:
-        rest = [i for i in items if i not in destructive]
-        items[:] = rest + destructive
+    own = [i for i in mine if i.get_closest_marker("own_cluster")]
+    if destructive or own:
+        start = items.index(mine[0])
+        rest = [i for i in items[start:] if i not in destructive and i not in own]
+        items[:] = items[:start] + own + rest + destructive
 
 
 @pytest.fixture(scope="session")
