@@ -94,6 +94,24 @@ impl NodeClient {
         self.call(Method::POST, uri, headers, Full::new(body)).await
     }
 
+    /// The status of a GET of `url`, at the answer's head: a health check
+    /// does not wait for a body (some servers send one without framing).
+    pub(crate) fn status(
+        &self,
+        url: &str,
+    ) -> impl Future<Output = Result<StatusCode, CallError>> + '_ {
+        let uri = url.parse::<Uri>().map_err(|e| CallError {
+            message: format!("{url}: {e}"),
+            connect: true,
+        });
+        async move {
+            let resp = self
+                .call(Method::GET, uri?, HeaderMap::new(), Full::default())
+                .await?;
+            Ok(resp.status())
+        }
+    }
+
     /// GETs `url` and reads its whole body (the future does not borrow `url`).
     pub(crate) fn get(
         &self,

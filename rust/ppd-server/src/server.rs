@@ -255,16 +255,13 @@ fn export_residency(st: &AppState) {
 pub async fn check_health(st: &AppState) {
     let nodes = st.registry.nodes();
     let checks = nodes.iter().map(|n| async move {
-        let get = |path: &str| {
-            tokio::time::timeout(
-                Duration::from_secs(2),
-                st.client().get(&format!("{}{path}", n.url)),
-            )
-        };
-        let ok = matches!(get("/health").await, Ok(Ok((status, _))) if status.is_success());
+        let within = Duration::from_secs(2);
+        let health = st.client().status(&format!("{}/health", n.url));
+        let ok = matches!(tokio::time::timeout(within, health).await, Ok(Ok(s)) if s.is_success());
         n.set_healthy(ok);
         if ok && n.role != Role::P {
-            if let Ok(Ok((status, body))) = get("/v1/models").await {
+            let models = st.client().get(&format!("{}/v1/models", n.url));
+            if let Ok(Ok((status, body))) = tokio::time::timeout(within, models).await {
                 if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&body) {
                     if status.is_success() {
                         return v

@@ -51,7 +51,7 @@ fn plain_token_chunk(data: &[u8]) -> bool {
 
 /// The data of an event that is one `data:` line and its blank line, the
 /// shape of (nearly) every event vLLM sends.
-fn single_data_line(event: &[u8]) -> Option<&[u8]> {
+pub(crate) fn single_data_line(event: &[u8]) -> Option<&[u8]> {
     let rest = event.strip_prefix(b"data:")?;
     let rest = rest.strip_prefix(b" ").unwrap_or(rest);
     let data = rest.strip_suffix(b"\n\n")?;
