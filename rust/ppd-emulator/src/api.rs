@@ -1346,3 +1346,61 @@ async fn stream_response(
         .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     resp
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn prompts(v: Value) -> Result<Vec<Vec<u64>>, StatusCode> {
+        completion_prompts(&v).map_err(|r| r.status())
+    }
+
+    #[test]
+    fn a_prompt_list_is_a_batch_of_prompts_in_order() {
+        let one = prompts(json!({"prompt": "a b"})).unwrap();
+        let two = prompts(json!({"prompt": ["a b", "c"]})).unwrap();
+        assert_eq!(two.len(), 2);
+        assert_eq!(two[0], one[0]);
+        assert_eq!(two[1], render_prompt("c"));
+        let ids = prompts(json!({"prompt": [[1, 2], [3]]})).unwrap();
+        assert_eq!(
+            ids,
+            vec![
+                vec![given_token_id(1), given_token_id(2)],
+                vec![given_token_id(3)]
+            ]
+        );
+        // A flat list of ids is one prompt.
+        assert_eq!(prompts(json!({"prompt": [1, 2, 3]})).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn missing_empty_and_mixed_prompts_are_refused() {
+        for v in [
+            json!({}),
+            json!({"prompt": []}),
+            json!({"prompt": ["a", 1]}),
+            json!({"prompt": [[1], "a"]}),
+            json!({"prompt": [[]]}),
+            json!({"prompt": [-1]}),
+            json!({"prompt": 5}),
+        ] {
+            assert_eq!(prompts(v.clone()), Err(StatusCode::BAD_REQUEST), "{v}");
+        }
+    }
+
+    #[tokio::test]
+    async fn invalid_json_is_pydantics_error_at_the_offending_offset() {
+        let text = "{\"a\": 1,\n x}";
+        let e = serde_json::from_str::<Value>(text).unwrap_err();
+        let r = not_json(text, &e);
+        assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+        let body = axum::body::to_bytes(r.into_body(), usize::MAX)
+            .await
+            .unwrap();
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["error"]["type"], "Bad Request");
+        // Line 2, column 2: the 11th character.
+        assert_eq!(v["error"]["param"], "body.10");
+    }
+}
