@@ -16,6 +16,8 @@ from ppd_router import _core
 from ppd_router.launch import VllmCluster
 from tests.openai_shape import check_answer, differences, load_corpus, send
 
+from .conftest import Tier
+
 pytestmark = pytest.mark.vllm
 
 MODEL = "tiny"  # the tier's served model name
@@ -42,3 +44,20 @@ def test_the_emulator_answers_like_a_vllm_node(vllm_nodes: VllmCluster, emulator
     check_answer(entry, theirs)
     ours = send(client, emulator, entry, MODEL)
     assert differences(ours, theirs) == []
+
+
+VALID = [e for e in CORPUS if e["status"] == 200]
+
+
+@pytest.mark.parametrize("policy", ["pd", "local"])
+def test_the_router_relays_n_batches_and_logprobs_from_vllm(tier: Tier, policy: str) -> None:
+    """Through the router on both paths, the valid requests get vLLM's own answer shapes: n > 1,
+    batches and logprobs survive the pd split (P prefills with max_tokens 1, D pulls and decodes)."""
+    tier.set_policy(policy)
+    try:
+        for entry in VALID:
+            answer = send(tier.client, tier.url, entry, MODEL)
+            assert answer.status == 200, (entry["name"], answer.body)
+            check_answer(entry, answer)
+    finally:
+        tier.set_policy("local")
