@@ -16,7 +16,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use ppd_core::prompt::given_token_id;
-use ppd_core::request::{parse_request, ContentText, PromptText};
+use ppd_core::request::{parse_request, ContentText};
 use ppd_model::engine::mix64;
 use ppd_model::text::{render_chat, render_prompt, Generator};
 use ppd_model::{Content, Finish, Kind, Profile, Submit, Usage};
@@ -24,7 +24,9 @@ use serde_json::{json, Value};
 use tokio::sync::{mpsc, Notify};
 
 use crate::driver::{EngineHandle, Out};
+use crate::logprobs::{score, Logprobs, Scored};
 use crate::metrics::{self, Metrics};
+use crate::openai::{self, Asked, Refusal};
 use crate::{Bidirectional, Faults, NodeConfig, Role};
 
 /// Largest request body accepted (vLLM has none; this keeps a bad client from exhausting memory).
@@ -359,8 +361,10 @@ async fn completions(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
 
 /// A parsed generation request, ready for the engine.
 struct Parsed {
-    prompt: Vec<u64>,
+    /// One per prompt of a completions batch; chat has one.
+    prompts: Vec<Vec<u64>>,
     sampling: Sampling,
+    asked: Asked,
     max_tokens: Option<u32>,
     stream: bool,
     include_usage: bool,
@@ -370,8 +374,9 @@ struct Parsed {
 fn parse_u32(v: &Value, field: &str) -> Result<Option<u32>, Response> {
     match v.get(field) {
         None | Some(Value::Null) => Ok(None),
-        Some(x) => match x.as_u64() {
-            Some(n) if n >= 1 && n <= u32::MAX as u64 => Ok(Some(n as u32)),
+        // vLLM's request model takes a whole float (2.0) as the integer it is.
+        Some(x) => match x.as_f64() {
+            Some(n) if n >= 1.0 && n <= u32::MAX as f64 && n.fract() == 0.0 => Ok(Some(n as u32)),
             _ => Err(bad(format!("{field} must be an integer ≥ 1, got {x}"))),
         },
     }
@@ -390,9 +395,11 @@ enum Sampling {
 }
 
 fn sampling_of(v: &Value) -> Sampling {
-    let seed = v
-        .get("seed")
-        .and_then(|s| s.as_u64().or_else(|| s.as_i64().map(|i| i as u64)));
+    let seed = v.get("seed").and_then(|s| {
+        s.as_u64()
+            .or_else(|| s.as_i64().map(|i| i as u64))
+            .or_else(|| s.as_f64().map(|f| f as i64 as u64))
+    });
     if let Some(seed) = seed {
         return Sampling::Seeded(seed);
     }
@@ -403,25 +410,120 @@ fn sampling_of(v: &Value) -> Sampling {
 }
 
 impl AppState {
-    /// The generator's key for a prompt under a request's sampling.
-    fn answer_key(&self, prompt: &[u64], sampling: Sampling) -> u64 {
+    /// The generator's key for choice `j` of a prompt under a request's sampling:
+    /// the choices of one prompt differ as vLLM's samples of one prompt do.
+    fn answer_key(&self, prompt: &[u64], sampling: Sampling, j: u32) -> u64 {
         let key = self.gen.key(prompt);
         match sampling {
             Sampling::Greedy => key,
-            Sampling::Seeded(seed) => mix64(key ^ mix64(seed ^ 0x5EED)),
+            Sampling::Seeded(seed) if j == 0 => mix64(key ^ mix64(seed ^ 0x5EED)),
+            Sampling::Seeded(seed) => mix64(key ^ mix64(seed ^ 0x5EED) ^ mix64(u64::from(j))),
             Sampling::Random => mix64(key ^ mix64(self.sampling.fetch_add(1, Ordering::Relaxed))),
         }
     }
 }
 
-fn parse_body(s: &AppState, ep: Endpoint, text: &str) -> Result<Parsed, Response> {
-    let view = parse_request(text).map_err(|e| bad(e.to_string()))?;
-    let v: Value =
-        serde_json::from_str(text).map_err(|e| bad(format!("invalid JSON body: {e}")))?;
-    if !v.is_object() {
-        return Err(bad("request body must be a JSON object"));
+/// A refusal of vLLM's request checks as vLLM's 400 answer.
+fn refused(r: Refusal) -> Response {
+    let body =
+        json!({"error": {"message": r.message, "type": r.kind, "param": r.param, "code": 400}});
+    (StatusCode::BAD_REQUEST, axum::Json(body)).into_response()
+}
+
+/// vLLM's error for a body that is not JSON (pydantic's `json_invalid`, at the error's offset).
+fn not_json(text: &str, e: &serde_json::Error) -> Response {
+    let offset: usize = text
+        .split_inclusive('\n')
+        .take(e.line().saturating_sub(1))
+        .map(str::len)
+        .sum::<usize>()
+        + e.column().saturating_sub(1);
+    refused(Refusal {
+        kind: "Bad Request",
+        message: format!("1 validation error:\n  {{'type': 'json_invalid', 'loc': 'body.{offset}', 'msg': 'JSON decode error', 'ctx': {{'error': '{e}'}}}}"),
+        param: Some(format!("body.{offset}")),
+    })
+}
+
+/// A completions `prompt`: a string, a list of strings, token ids, or a list of token-id lists;
+/// each prompt of a list is answered on its own (vLLM's batch).
+fn completion_prompts(v: &Value) -> Result<Vec<Vec<u64>>, Response> {
+    let token_ids = |x: &Value| -> Option<Vec<u64>> {
+        x.as_array()?
+            .iter()
+            .map(|t| t.as_u64().filter(|&t| t <= u32::MAX as u64))
+            .map(|t| t.map(|t| given_token_id(t as u32)))
+            .collect()
+    };
+    let shape_error = || {
+        bad("prompt must be a string, a list of strings, a list of token ids or a list of token-id lists")
+    };
+    let prompts = match v.get("prompt") {
+        None | Some(Value::Null) => {
+            return Err(refused(Refusal {
+                kind: "BadRequestError",
+                message: "Either prompt or prompt_embeds must be provided and non-empty.".into(),
+                param: Some("prompt".into()),
+            }))
+        }
+        Some(Value::String(s)) => vec![render_prompt(s)],
+        Some(Value::Array(items)) if items.is_empty() => {
+            return Err(refused(Refusal {
+                kind: "BadRequestError",
+                message: "You must pass at least one prompt".into(),
+                param: None,
+            }))
+        }
+        Some(all @ Value::Array(items)) => match &items[0] {
+            Value::String(_) => items
+                .iter()
+                .map(|x| x.as_str().map(render_prompt))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(shape_error)?,
+            Value::Array(_) => items
+                .iter()
+                .map(token_ids)
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(shape_error)?,
+            _ => vec![token_ids(all).ok_or_else(shape_error)?],
+        },
+        Some(_) => return Err(shape_error()),
+    };
+    if prompts.iter().any(Vec::is_empty) {
+        return Err(bad("prompt must not be empty"));
     }
-    if let Some(m) = view.model.as_deref() {
+    Ok(prompts)
+}
+
+fn chat_prompt(text: &str) -> Result<Vec<u64>, Response> {
+    let view = parse_request(text).map_err(|e| bad(e.to_string()))?;
+    let Some(msgs) = view.messages.as_ref() else {
+        return Err(bad("messages is required for /v1/chat/completions"));
+    };
+    if msgs.is_empty() {
+        return Err(bad("messages must not be empty"));
+    }
+    let mut parts = Vec::with_capacity(msgs.len());
+    for m in msgs {
+        if m.role.trim().is_empty() {
+            return Err(bad("every message needs a non-empty role"));
+        }
+        let c = ContentText::parse(m.content).map_err(|e| bad(e.to_string()))?;
+        parts.push((m.role.to_string(), c.joined().into_owned()));
+    }
+    Ok(render_chat(
+        parts.iter().map(|(r, c)| (r.as_str(), c.as_str())),
+    ))
+}
+
+/// Checks a body as vLLM does, in vLLM's order: its request model (types), its
+/// validators, the model name, then the sampler's ranges.
+fn parse_body(s: &AppState, ep: Endpoint, text: &str) -> Result<Parsed, Response> {
+    let chat = ep == Endpoint::Chat;
+    let v: Value = serde_json::from_str(text).map_err(|e| not_json(text, &e))?;
+    let o = openai::check_schema(&v, chat).map_err(refused)?;
+    openai::check_validators(o, chat).map_err(refused)?;
+    if let Some(m) = v.get("model").and_then(Value::as_str) {
         if m != s.model {
             return Err(error(
                 StatusCode::NOT_FOUND,
@@ -430,28 +532,14 @@ fn parse_body(s: &AppState, ep: Endpoint, text: &str) -> Result<Parsed, Response
             ));
         }
     }
-    match v.get("n") {
-        None | Some(Value::Null) => {}
-        Some(n) if n.as_u64() == Some(1) => {}
-        Some(n) => return Err(bad(format!("n must be 1 on the emulator, got {n}"))),
-    }
-    let stream = match v.get("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(x) => return Err(bad(format!("stream must be a boolean, got {x}"))),
-    };
+    let asked = openai::check_sampling(o, chat).map_err(refused)?;
+    let stream = v.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let include_usage = match v.get("stream_options") {
         None | Some(Value::Null) => false,
-        Some(o) if o.is_object() => {
-            if !stream {
-                return Err(bad(
-                    "Stream options can only be defined when `stream=True`.",
-                ));
-            }
-            o.get("include_usage")
-                .and_then(Value::as_bool)
-                .unwrap_or(false)
-        }
+        Some(o) if o.is_object() => o
+            .get("include_usage")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
         Some(x) => return Err(bad(format!("stream_options must be an object, got {x}"))),
     };
     let max_tokens = match ep {
@@ -470,40 +558,25 @@ fn parse_body(s: &AppState, ep: Endpoint, text: &str) -> Result<Parsed, Response
             )))
         }
     };
-    let prompt = match ep {
-        Endpoint::Chat => {
-            let Some(msgs) = view.messages.as_ref() else {
-                return Err(bad("messages is required for /v1/chat/completions"));
-            };
-            if msgs.is_empty() {
-                return Err(bad("messages must not be empty"));
-            }
-            let mut parts = Vec::with_capacity(msgs.len());
-            for m in msgs {
-                if m.role.trim().is_empty() {
-                    return Err(bad("every message needs a non-empty role"));
-                }
-                let c = ContentText::parse(m.content).map_err(|e| bad(e.to_string()))?;
-                parts.push((m.role.to_string(), c.joined().into_owned()));
-            }
-            render_chat(parts.iter().map(|(r, c)| (r.as_str(), c.as_str())))
-        }
-        Endpoint::Completion => {
-            let Some(raw) = view.prompt else {
-                return Err(bad("prompt is required for /v1/completions"));
-            };
-            match PromptText::parse(raw).map_err(|e| bad(e.to_string()))? {
-                PromptText::Text(t) => render_prompt(&t),
-                PromptText::TokenIds(ids) => ids.into_iter().map(given_token_id).collect(),
-            }
-        }
+    let prompts = match ep {
+        Endpoint::Chat => vec![chat_prompt(text)?],
+        Endpoint::Completion => completion_prompts(&v)?,
     };
-    if prompt.is_empty() {
+    if prompts.iter().any(Vec::is_empty) {
         return Err(bad("prompt must not be empty"));
     }
+    if (prompts.len() as u64) * u64::from(asked.n) > openai::MAX_N as u64 {
+        return Err(bad(format!(
+            "{} prompts × n={} asks for more than {} choices",
+            prompts.len(),
+            asked.n,
+            openai::MAX_N
+        )));
+    }
     Ok(Parsed {
-        prompt,
+        prompts,
         sampling: sampling_of(&v),
+        asked,
         max_tokens,
         stream,
         include_usage,
@@ -605,17 +678,27 @@ async fn release_rejected(s: &AppState, text: &str) {
     }
 }
 
-/// Aborts the engine request when the response is dropped before it finished.
+/// Aborts a request's unfinished engine requests when the response is dropped before it finished.
 struct AbortGuard {
     engine: EngineHandle,
-    id: u64,
-    armed: bool,
+    /// Engine ids of the choices not finished yet.
+    open: Vec<u64>,
+}
+
+impl AbortGuard {
+    fn finished(&mut self, id: u64) {
+        self.open.retain(|&x| x != id);
+    }
+
+    fn disarm(&mut self) {
+        self.open.clear();
+    }
 }
 
 impl Drop for AbortGuard {
     fn drop(&mut self) {
-        if self.armed {
-            self.engine.abort(self.id);
+        for &id in &self.open {
+            self.engine.abort(id);
         }
     }
 }
@@ -669,12 +752,12 @@ async fn generate(s: Arc<AppState>, ep: Endpoint, body: Bytes) -> Response {
             s.with_metrics(|m| m.kv_pull_failures += 1);
         }
     }
-    let prompt_len = p.prompt.len() as u32;
+    let first_len = p.prompts[0].len() as u32;
     let remote_prefix = match (&s.bidirectional, decode_source(&p.kv)) {
         (Some(b), Some(src)) if kind == Kind::RemoteDecode => {
             // vLLM's pull scheduler: min(remote_num_tokens, prompt), and no
             // pull at all below kv_recompute_threshold.
-            let want = src.num_tokens.min(prompt_len.saturating_sub(1));
+            let want = src.num_tokens.min(first_len.saturating_sub(1));
             if want < b.kv_recompute_threshold.max(1) {
                 0
             } else {
@@ -699,42 +782,60 @@ async fn generate(s: Arc<AppState>, ep: Endpoint, body: Bytes) -> Response {
         }
         _ => None,
     };
-    let key = s.answer_key(&p.prompt, p.sampling);
-    let (n_out, finish_reason) = match p.max_tokens {
-        Some(n) => (n, "length"),
-        None => {
-            let room = s.max_model_len.saturating_sub(prompt_len);
-            (s.gen.natural_len(key).min(room.max(1)), "stop")
-        }
-    };
-    let mut ids = p.prompt;
-    if (n_out as u64 + prompt_len as u64) <= s.max_model_len as u64 {
-        s.gen.push_ids(key, n_out, &mut ids);
-    }
-    let id = s.next_id.fetch_add(1, Ordering::Relaxed);
+    let n = p.asked.n;
+    let total = p.prompts.len() as u64 * u64::from(n);
+    let base = s.next_id.fetch_add(total, Ordering::Relaxed);
     let name = s.request_name(
         if ep == Endpoint::Chat {
             "chatcmpl"
         } else {
             "cmpl"
         },
-        id,
+        base,
     );
-    let submit = Submit {
-        id,
-        content: Content::Explicit(ids.into()),
-        prompt_len,
-        max_tokens: n_out,
-        kind,
-        remote_prefix,
-        pin_ms,
-    };
+    // Choice c answers prompt c / n (vLLM's prompt-major order); only the
+    // first carries the request's KV transfer, as the router's P/D split has
+    // one choice.
+    let mut plans = Vec::with_capacity(total as usize);
+    let mut submits = Vec::with_capacity(total as usize);
+    for prompt in &p.prompts {
+        let prompt_len = prompt.len() as u32;
+        for j in 0..n {
+            let c = plans.len() as u64;
+            let key = s.answer_key(prompt, p.sampling, j);
+            let (n_out, finish_reason) = match p.max_tokens {
+                Some(m) => (m, "length"),
+                None => {
+                    let room = s.max_model_len.saturating_sub(prompt_len);
+                    (s.gen.natural_len(key).min(room.max(1)), "stop")
+                }
+            };
+            let mut ids = prompt.clone();
+            if (n_out as u64 + prompt_len as u64) <= s.max_model_len as u64 {
+                s.gen.push_ids(key, n_out, &mut ids);
+            }
+            let first = c == 0;
+            submits.push(Submit {
+                id: base + c,
+                content: Content::Explicit(ids.into()),
+                prompt_len,
+                max_tokens: n_out,
+                kind: if first { kind } else { Kind::Local },
+                remote_prefix: if first { remote_prefix } else { 0 },
+                pin_ms: if first { pin_ms } else { None },
+            });
+            plans.push(Plan {
+                key,
+                finish_reason,
+                counts_prompt: j == 0,
+            });
+        }
+    }
     tokio::time::sleep(s.request_overhead).await;
-    let rx = s.engine.submit(submit);
+    let rx = s.engine.submit_all(submits);
     let guard = AbortGuard {
         engine: s.engine.clone(),
-        id,
-        armed: true,
+        open: (base..base + total).collect(),
     };
     let ctx = Ctx {
         created: unix_now(),
@@ -742,8 +843,9 @@ async fn generate(s: Arc<AppState>, ep: Endpoint, body: Bytes) -> Response {
         s: Arc::clone(&s),
         ep,
         name,
-        key,
-        finish_reason,
+        base,
+        plans,
+        logprobs: p.asked.logprobs,
         include_usage: p.include_usage,
         kind,
         pinned: pin_ms.is_some(),
@@ -756,6 +858,15 @@ async fn generate(s: Arc<AppState>, ep: Endpoint, body: Bytes) -> Response {
     }
 }
 
+/// How one choice is generated.
+struct Plan {
+    key: u64,
+    finish_reason: &'static str,
+    /// The first choice of its prompt: its prompt (and cached) tokens count
+    /// in usage once, as vLLM counts a prompt once for its n samples.
+    counts_prompt: bool,
+}
+
 struct Ctx {
     s: Arc<AppState>,
     /// `created` of every chunk of this response (vLLM keeps one per request).
@@ -763,8 +874,11 @@ struct Ctx {
     model_json: String,
     ep: Endpoint,
     name: String,
-    key: u64,
-    finish_reason: &'static str,
+    /// Engine id of choice 0; choice c is `base + c`.
+    base: u64,
+    plans: Vec<Plan>,
+    /// Alternatives per token to report, when the client asked for logprobs.
+    logprobs: Option<u32>,
     include_usage: bool,
     kind: Kind,
     /// A bidirectional D keeps this request's blocks for a later pull.
@@ -772,13 +886,37 @@ struct Ctx {
     arrived: Instant,
 }
 
+/// Usage summed over a request's choices.
+#[derive(Default)]
+struct UsageSum {
+    prompt: u32,
+    completion: u32,
+    cached: u32,
+}
+
+impl UsageSum {
+    fn add(&mut self, plan: &Plan, u: &Usage) {
+        if plan.counts_prompt {
+            self.prompt += u.prompt_tokens;
+            self.cached += u.cached_tokens;
+        }
+        self.completion += u.completion_tokens;
+    }
+}
+
 impl Ctx {
-    fn usage(&self, u: &Usage) -> Value {
+    /// The choice an engine id answers, when it is one of this request's.
+    fn choice(&self, id: u64) -> Option<usize> {
+        let c = id.checked_sub(self.base)? as usize;
+        (c < self.plans.len()).then_some(c)
+    }
+
+    fn usage(&self, u: &UsageSum) -> Value {
         json!({
-            "prompt_tokens": u.prompt_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "completion_tokens": u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}
+            "prompt_tokens": u.prompt,
+            "total_tokens": u.prompt + u.completion,
+            "completion_tokens": u.completion,
+            "prompt_tokens_details": {"cached_tokens": u.cached}
         })
     }
 
@@ -817,9 +955,9 @@ impl Ctx {
         })
     }
 
-    fn finish_str(&self, f: Finish) -> &'static str {
+    fn finish_str(&self, c: usize, f: Finish) -> &'static str {
         match f {
-            Finish::Length => self.finish_reason,
+            Finish::Length => self.plans[c].finish_reason,
             Finish::Aborted => "abort",
         }
     }
@@ -842,6 +980,18 @@ impl Ctx {
         });
     }
 
+    /// Token `i` of choice `c`, with its logprobs when asked for.
+    fn scored(&self, c: usize, i: u32) -> (String, Option<Scored>) {
+        let key = self.plans[c].key;
+        match self.logprobs {
+            Some(k) => {
+                let s = score(&self.s.gen, key, i, k);
+                (s.token.clone(), Some(s))
+            }
+            None => (self.s.gen.piece(key, i), None),
+        }
+    }
+
     fn chunk(&self, choice: Value, usage: Option<Value>) -> String {
         let object = if self.ep == Endpoint::Chat {
             "chat.completion.chunk"
@@ -857,106 +1007,185 @@ impl Ctx {
 
     /// One token's SSE event, written directly (the hot path: one per token per stream).
     /// Pieces are generator words (ASCII letters and a space), so they need no escaping.
-    fn push_token_chunk(&self, buf: &mut String, piece: &str) {
+    fn push_token_chunk(&self, buf: &mut String, c: usize, piece: &str) {
         use std::fmt::Write;
         let (object, open, close) = match self.ep {
             Endpoint::Chat => (
                 "chat.completion.chunk",
-                r#"{"index":0,"delta":{"content":""#,
+                r#","delta":{"content":""#,
                 r#""},"logprobs":null,"finish_reason":null}"#,
             ),
             Endpoint::Completion => (
                 "text_completion",
-                r#"{"index":0,"text":""#,
+                r#","text":""#,
                 r#"","logprobs":null,"finish_reason":null,"stop_reason":null}"#,
             ),
         };
         let _ = write!(
             buf,
-            "data: {{\"id\":\"{}\",\"object\":\"{object}\",\"created\":{},\"model\":{},\"choices\":[{open}{piece}{close}]}}\n\n",
+            "data: {{\"id\":\"{}\",\"object\":\"{object}\",\"created\":{},\"model\":{},\"choices\":[{{\"index\":{c}{open}{piece}{close}]}}\n\n",
             self.name, self.created, self.model_json
         );
+    }
+
+    /// A token's event with its logprobs (`offset`: where it starts in the choice's text).
+    fn push_scored_chunk(&self, buf: &mut String, c: usize, s: Scored, offset: usize) {
+        let piece = s.token.clone();
+        let mut lp = Logprobs::new(
+            self.ep == Endpoint::Chat,
+            self.logprobs.unwrap_or(0),
+            offset,
+        );
+        lp.push(s);
+        let choice = match self.ep {
+            Endpoint::Chat => {
+                json!([{"index": c, "delta": {"content": piece}, "logprobs": lp.to_json(), "finish_reason": null}])
+            }
+            Endpoint::Completion => {
+                json!([{"index": c, "text": piece, "logprobs": lp.to_json(), "finish_reason": null, "stop_reason": null}])
+            }
+        };
+        buf.push_str(&self.chunk(choice, None));
+    }
+}
+
+/// One choice of a whole answer, as it grows.
+struct Answer {
+    text: String,
+    logprobs: Option<Logprobs>,
+    finish: Option<&'static str>,
+}
+
+impl Answer {
+    fn json(&self, ep: Endpoint, c: usize) -> Value {
+        let lp = self
+            .logprobs
+            .as_ref()
+            .map_or(Value::Null, Logprobs::to_json);
+        let fr = self.finish;
+        match ep {
+            Endpoint::Chat => json!({
+                "index": c,
+                "message": {"role": "assistant", "content": self.text, "refusal": null, "annotations": null,
+                            "audio": null, "function_call": null, "reasoning": null},
+                "logprobs": lp, "finish_reason": fr, "stop_reason": null, "token_ids": null
+            }),
+            Endpoint::Completion => json!({
+                "index": c, "text": self.text, "logprobs": lp, "finish_reason": fr,
+                "stop_reason": null, "token_ids": null, "prompt_logprobs": null, "prompt_token_ids": null
+            }),
+        }
     }
 }
 
 async fn json_response(
     ctx: Ctx,
-    mut rx: mpsc::UnboundedReceiver<Out>,
+    mut rx: mpsc::UnboundedReceiver<(u64, Out)>,
     mut guard: AbortGuard,
 ) -> Response {
-    let mut text = String::new();
+    let chat = ctx.ep == Endpoint::Chat;
+    let mut answers: Vec<Answer> = (0..ctx.plans.len())
+        .map(|_| Answer {
+            text: String::new(),
+            logprobs: ctx.logprobs.map(|k| Logprobs::new(chat, k, 0)),
+            finish: None,
+        })
+        .collect();
+    let mut usage = UsageSum::default();
+    let mut open = ctx.plans.len();
     let mut ttft = None;
     let mut last = Instant::now();
     let mut itl = Vec::new();
     let mut model_first = None;
+    let mut kv = Value::Null;
     loop {
-        match rx.recv().await {
-            Some(Out::Token { index, t }) => {
+        let Some((id, out)) = rx.recv().await else {
+            guard.disarm();
+            return error(StatusCode::SERVICE_UNAVAILABLE, "engine stopped", None);
+        };
+        let Some(c) = ctx.choice(id) else { continue };
+        match out {
+            Out::Token { index, t } => {
                 let now = Instant::now();
-                if index == 0 {
+                if ttft.is_none() {
                     model_first = Some(t);
                     ttft = Some(ctx.arrived.elapsed().as_secs_f64());
-                } else {
+                } else if c == 0 {
                     itl.push(now.duration_since(last).as_secs_f64());
                 }
-                last = now;
-                text.push_str(&ctx.s.gen.piece(ctx.key, index));
+                if c == 0 {
+                    last = now;
+                }
+                let (piece, scored) = ctx.scored(c, index);
+                let a = &mut answers[c];
+                a.text.push_str(&piece);
+                if let (Some(lp), Some(s)) = (a.logprobs.as_mut(), scored) {
+                    lp.push(s);
+                }
             }
-            Some(Out::Rejected(e)) => {
-                guard.armed = false;
-                return bad(e.to_string());
-            }
-            Some(Out::Finished {
-                usage,
+            // The guard aborts the other choices: one refused prompt refuses the request, as in vLLM.
+            Out::Rejected(e) => return bad(e.to_string()),
+            Out::Finished {
+                usage: u,
                 finish,
                 held_blocks,
                 held_tokens,
                 t,
-            }) => {
-                guard.armed = false;
-                ctx.s.record_timing(&ctx.name, model_first, t);
-                let fr = ctx.finish_str(finish);
-                ctx.record(ttft, &itl, fr);
-                let choice = match ctx.ep {
-                    Endpoint::Chat => json!({
-                        "index": 0,
-                        "message": {"role": "assistant", "content": text, "refusal": null, "annotations": null,
-                                    "audio": null, "function_call": null, "tool_calls": [], "reasoning_content": null},
-                        "logprobs": null, "finish_reason": fr, "stop_reason": null
-                    }),
-                    Endpoint::Completion => json!({
-                        "index": 0, "text": text, "logprobs": null, "finish_reason": fr,
-                        "stop_reason": null, "prompt_logprobs": null
-                    }),
-                };
-                let object = if ctx.ep == Endpoint::Chat {
-                    "chat.completion"
-                } else {
-                    "text_completion"
-                };
-                let mut body = json!({
-                    "id": ctx.name, "object": object, "created": ctx.created, "model": ctx.s.model,
-                    "choices": [choice], "usage": ctx.usage(&usage),
-                    "system_fingerprint": null, "kv_transfer_params": ctx.kv_params(Some((&held_blocks, held_tokens)))
-                });
-                if ctx.ep == Endpoint::Chat {
-                    body["service_tier"] = Value::Null;
-                    body["prompt_logprobs"] = Value::Null;
+            } => {
+                guard.finished(id);
+                let fr = ctx.finish_str(c, finish);
+                // TTFT and ITL are choice 0's, as one stream's timing.
+                let (first, gaps): (Option<f64>, &[f64]) =
+                    if c == 0 { (ttft, &itl) } else { (None, &[]) };
+                ctx.record(first, gaps, fr);
+                usage.add(&ctx.plans[c], &u);
+                answers[c].finish = Some(fr);
+                if c == 0 {
+                    kv = ctx.kv_params(Some((&held_blocks, held_tokens)));
                 }
-                return axum::Json(body).into_response();
-            }
-            None => {
-                guard.armed = false;
-                return error(StatusCode::SERVICE_UNAVAILABLE, "engine stopped", None);
+                open -= 1;
+                if open == 0 {
+                    ctx.s.record_timing(&ctx.name, model_first, t);
+                    break;
+                }
             }
         }
     }
+    let choices: Vec<Value> = answers
+        .iter()
+        .enumerate()
+        .map(|(c, a)| a.json(ctx.ep, c))
+        .collect();
+    let object = if chat {
+        "chat.completion"
+    } else {
+        "text_completion"
+    };
+    let mut body = json!({
+        "id": ctx.name, "object": object, "created": ctx.created, "model": ctx.s.model,
+        "choices": choices, "usage": ctx.usage(&usage), "service_tier": null,
+        "system_fingerprint": null, "kv_transfer_params": kv
+    });
+    if chat {
+        body["prompt_logprobs"] = Value::Null;
+    }
+    axum::Json(body).into_response()
+}
+
+/// One choice of a stream: whether its first token went out, where its text ends.
+#[derive(Default, Clone, Copy)]
+struct Streamed {
+    started: bool,
+    offset: usize,
 }
 
 struct StreamState {
     ctx: Ctx,
-    rx: mpsc::UnboundedReceiver<Out>,
+    rx: mpsc::UnboundedReceiver<(u64, Out)>,
     guard: AbortGuard,
+    choices: Vec<Streamed>,
+    usage: UsageSum,
+    open: usize,
     last: Instant,
     ttft: Option<f64>,
     model_first: Option<f64>,
@@ -964,28 +1193,99 @@ struct StreamState {
     done: bool,
 }
 
+impl StreamState {
+    /// Writes one engine event of choice `c`; true when the stream is complete.
+    fn write(&mut self, buf: &mut String, id: u64, c: usize, out: Out) -> bool {
+        match out {
+            Out::Token { index, t } => {
+                let now = Instant::now();
+                if self.ttft.is_none() {
+                    self.model_first = Some(t);
+                    self.ttft = Some(self.ctx.arrived.elapsed().as_secs_f64());
+                } else if c == 0 {
+                    self.itl.push(now.duration_since(self.last).as_secs_f64());
+                }
+                if c == 0 {
+                    self.last = now;
+                }
+                if !self.choices[c].started && self.ctx.ep == Endpoint::Chat {
+                    let role = json!([{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]);
+                    buf.push_str(&self.ctx.chunk(role, None));
+                }
+                self.choices[c].started = true;
+                match self.ctx.scored(c, index) {
+                    (piece, None) => self.ctx.push_token_chunk(buf, c, &piece),
+                    (piece, Some(s)) => {
+                        let offset = self.choices[c].offset;
+                        self.choices[c].offset += piece.len();
+                        self.ctx.push_scored_chunk(buf, c, s, offset);
+                    }
+                }
+                false
+            }
+            Out::Rejected(e) => {
+                let err = json!({"error": {"message": e.to_string(), "type": "BadRequestError", "param": null, "code": 400}});
+                buf.push_str(&format!("data: {err}\n\ndata: [DONE]\n\n"));
+                true
+            }
+            Out::Finished {
+                usage, finish, t, ..
+            } => {
+                self.guard.finished(id);
+                let fr = self.ctx.finish_str(c, finish);
+                if c == 0 {
+                    self.ctx.record(self.ttft, &self.itl, fr);
+                } else {
+                    self.ctx.record(None, &[], fr);
+                }
+                self.usage.add(&self.ctx.plans[c], &usage);
+                let tail = match self.ctx.ep {
+                    Endpoint::Chat => {
+                        json!([{"index": c, "delta": {}, "logprobs": null, "finish_reason": fr, "stop_reason": null}])
+                    }
+                    Endpoint::Completion => {
+                        json!([{"index": c, "text": "", "logprobs": null, "finish_reason": fr, "stop_reason": null}])
+                    }
+                };
+                buf.push_str(&self.ctx.chunk(tail, None));
+                self.open -= 1;
+                if self.open > 0 {
+                    return false;
+                }
+                self.ctx
+                    .s
+                    .record_timing(&self.ctx.name, self.model_first, t);
+                if self.ctx.include_usage {
+                    buf.push_str(&self.ctx.chunk(json!([]), Some(self.ctx.usage(&self.usage))));
+                }
+                buf.push_str("data: [DONE]\n\n");
+                true
+            }
+        }
+    }
+}
+
 async fn stream_response(
     ctx: Ctx,
-    mut rx: mpsc::UnboundedReceiver<Out>,
+    mut rx: mpsc::UnboundedReceiver<(u64, Out)>,
     mut guard: AbortGuard,
 ) -> Response {
     // Refusals arrive before any token: answer them as JSON errors, like vLLM.
-    let first = rx.recv().await;
-    let first = match first {
-        Some(Out::Rejected(e)) => {
-            guard.armed = false;
-            return bad(e.to_string());
-        }
+    let first = match rx.recv().await {
+        Some((_, Out::Rejected(e))) => return bad(e.to_string()),
         None => {
-            guard.armed = false;
+            guard.disarm();
             return error(StatusCode::SERVICE_UNAVAILABLE, "engine stopped", None);
         }
         Some(o) => o,
     };
     let st = StreamState {
+        choices: vec![Streamed::default(); ctx.plans.len()],
+        open: ctx.plans.len(),
         ctx,
         rx,
         guard,
+        usage: UsageSum::default(),
         last: Instant::now(),
         ttft: None,
         model_first: None,
@@ -1006,7 +1306,7 @@ async fn stream_response(
             match next {
                 None => {
                     st.done = true;
-                    st.guard.armed = false;
+                    st.guard.disarm();
                     if buf.is_empty() {
                         return Some((
                             Err(std::io::Error::other("engine stopped mid-stream")),
@@ -1015,51 +1315,13 @@ async fn stream_response(
                     }
                     break;
                 }
-                Some(Out::Token { index, t }) => {
-                    let now = Instant::now();
-                    if index == 0 {
-                        st.model_first = Some(t);
-                        st.ttft = Some(st.ctx.arrived.elapsed().as_secs_f64());
-                    } else {
-                        st.itl.push(now.duration_since(st.last).as_secs_f64());
-                    }
-                    st.last = now;
-                    let piece = st.ctx.s.gen.piece(st.ctx.key, index);
-                    if index == 0 && st.ctx.ep == Endpoint::Chat {
-                        let role = json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]);
-                        buf.push_str(&st.ctx.chunk(role, None));
-                    }
-                    st.ctx.push_token_chunk(&mut buf, &piece);
-                }
-                Some(Out::Rejected(e)) => {
-                    st.done = true;
-                    st.guard.armed = false;
-                    let err = json!({"error": {"message": e.to_string(), "type": "BadRequestError", "param": null, "code": 400}});
-                    buf.push_str(&format!("data: {err}\n\ndata: [DONE]\n\n"));
-                    break;
-                }
-                Some(Out::Finished {
-                    usage, finish, t, ..
-                }) => {
-                    st.ctx.s.record_timing(&st.ctx.name, st.model_first, t);
-                    st.done = true;
-                    st.guard.armed = false;
-                    let fr = st.ctx.finish_str(finish);
-                    st.ctx.record(st.ttft, &st.itl, fr);
-                    let tail = match st.ctx.ep {
-                        Endpoint::Chat => {
-                            json!([{"index": 0, "delta": {}, "logprobs": null, "finish_reason": fr, "stop_reason": null}])
+                Some((id, out)) => {
+                    if let Some(c) = st.ctx.choice(id) {
+                        if st.write(&mut buf, id, c, out) {
+                            st.done = true;
+                            break;
                         }
-                        Endpoint::Completion => {
-                            json!([{"index": 0, "text": "", "logprobs": null, "finish_reason": fr, "stop_reason": null}])
-                        }
-                    };
-                    buf.push_str(&st.ctx.chunk(tail, None));
-                    if st.ctx.include_usage {
-                        buf.push_str(&st.ctx.chunk(json!([]), Some(st.ctx.usage(&usage))));
                     }
-                    buf.push_str("data: [DONE]\n\n");
-                    break;
                 }
             }
             next = match st.rx.try_recv() {
@@ -1083,4 +1345,62 @@ async fn stream_response(
     resp.headers_mut()
         .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn prompts(v: Value) -> Result<Vec<Vec<u64>>, StatusCode> {
+        completion_prompts(&v).map_err(|r| r.status())
+    }
+
+    #[test]
+    fn a_prompt_list_is_a_batch_of_prompts_in_order() {
+        let one = prompts(json!({"prompt": "a b"})).unwrap();
+        let two = prompts(json!({"prompt": ["a b", "c"]})).unwrap();
+        assert_eq!(two.len(), 2);
+        assert_eq!(two[0], one[0]);
+        assert_eq!(two[1], render_prompt("c"));
+        let ids = prompts(json!({"prompt": [[1, 2], [3]]})).unwrap();
+        assert_eq!(
+            ids,
+            vec![
+                vec![given_token_id(1), given_token_id(2)],
+                vec![given_token_id(3)]
+            ]
+        );
+        // A flat list of ids is one prompt.
+        assert_eq!(prompts(json!({"prompt": [1, 2, 3]})).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn missing_empty_and_mixed_prompts_are_refused() {
+        for v in [
+            json!({}),
+            json!({"prompt": []}),
+            json!({"prompt": ["a", 1]}),
+            json!({"prompt": [[1], "a"]}),
+            json!({"prompt": [[]]}),
+            json!({"prompt": [-1]}),
+            json!({"prompt": 5}),
+        ] {
+            assert_eq!(prompts(v.clone()), Err(StatusCode::BAD_REQUEST), "{v}");
+        }
+    }
+
+    #[tokio::test]
+    async fn invalid_json_is_pydantics_error_at_the_offending_offset() {
+        let text = "{\"a\": 1,\n x}";
+        let e = serde_json::from_str::<Value>(text).unwrap_err();
+        let r = not_json(text, &e);
+        assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+        let body = axum::body::to_bytes(r.into_body(), usize::MAX)
+            .await
+            .unwrap();
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["error"]["type"], "Bad Request");
+        // Line 2, column 2: the 11th character.
+        assert_eq!(v["error"]["param"], "body.10");
+    }
 }

@@ -36,7 +36,7 @@ pub enum Out {
 pub enum Cmd {
     Submit {
         req: Submit,
-        sink: mpsc::UnboundedSender<Out>,
+        sink: mpsc::UnboundedSender<(u64, Out)>,
     },
     Abort(u64),
     TakeHold {
@@ -81,10 +81,17 @@ impl EngineHandle {
         EngineHandle { tx, shared }
     }
 
-    pub fn submit(&self, req: Submit) -> mpsc::UnboundedReceiver<Out> {
+    /// Submits a request's engine requests (one per choice); their events
+    /// arrive on one channel, each with its engine request's id.
+    pub fn submit_all(&self, reqs: Vec<Submit>) -> mpsc::UnboundedReceiver<(u64, Out)> {
         let (sink, rx) = mpsc::unbounded_channel();
-        // A stopped engine drops the sink: the handler sees a closed channel.
-        let _ = self.tx.send(Cmd::Submit { req, sink });
+        // A stopped engine drops the sinks: the handler sees a closed channel.
+        for req in reqs {
+            let _ = self.tx.send(Cmd::Submit {
+                req,
+                sink: sink.clone(),
+            });
+        }
         rx
     }
 
@@ -115,7 +122,7 @@ async fn run(
 ) {
     let start = Instant::now();
     let vnow = |at: Instant| at.duration_since(start).as_secs_f64() * 1000.0;
-    let mut sinks: AHashMap<u64, mpsc::UnboundedSender<Out>> = AHashMap::new();
+    let mut sinks: AHashMap<u64, mpsc::UnboundedSender<(u64, Out)>> = AHashMap::new();
     let mut ev: Vec<Event> = Vec::with_capacity(1024);
     let mut lag = Lag::default();
     loop {
@@ -131,7 +138,7 @@ async fn run(
                         let id = req.id;
                         match engine.submit(now, req, &mut ev) {
                             Ok(()) => { sinks.insert(id, sink); }
-                            Err(e) => { let _ = sink.send(Out::Rejected(e)); }
+                            Err(e) => { let _ = sink.send((id, Out::Rejected(e))); }
                         }
                     }
                     Cmd::Abort(id) => {
@@ -177,7 +184,7 @@ async fn run(
 fn dispatch(
     engine: &mut Engine,
     ev: &mut Vec<Event>,
-    sinks: &mut AHashMap<u64, mpsc::UnboundedSender<Out>>,
+    sinks: &mut AHashMap<u64, mpsc::UnboundedSender<(u64, Out)>>,
     lag: &mut Lag,
     wall: f64,
 ) {
@@ -215,7 +222,7 @@ fn dispatch(
         let Some(out) = out else { continue };
         let done = matches!(out, Out::Finished { .. });
         if let Some(s) = sinks.get(&id) {
-            if s.send(out).is_err() {
+            if s.send((id, out)).is_err() {
                 // The handler is gone: stop computing for it.
                 sinks.remove(&id);
                 engine.abort(engine.now(), id, &mut Vec::new());

@@ -9,7 +9,9 @@ mod api;
 mod driver;
 mod kv_publisher;
 pub use kv_publisher::KvEventsConfig;
+mod logprobs;
 mod metrics;
+mod openai;
 
 use std::future::Future;
 use std::net::SocketAddr;

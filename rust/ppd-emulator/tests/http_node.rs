@@ -257,7 +257,8 @@ async fn bad_input_gets_vllm_like_errors() {
         .unwrap();
     assert_eq!(raw.status(), 400);
     let v: Value = raw.json().await.unwrap();
-    assert_eq!(v["error"]["type"], "BadRequestError");
+    // vLLM's request model (pydantic) refuses it, with its own error type.
+    assert_eq!(v["error"]["type"], "Bad Request");
     assert_eq!(v["error"]["code"], 400);
     let cases = [
         (json!({"messages": []}), 400),
@@ -270,12 +271,12 @@ async fn bad_input_gets_vllm_like_errors() {
             400,
         ),
         (
-            json!({"messages": [{"role": "user", "content": "x"}], "n": 2}),
+            json!({"messages": [{"role": "user", "content": "x"}], "n": 0}),
             400,
         ),
         (json!({"messages": [{"role": "user", "content": 5}]}), 400),
         (
-            json!({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}),
+            json!({"messages": [{"role": "user", "content": "x"}], "stream": "maybe"}),
             400,
         ),
         (
@@ -712,4 +713,51 @@ async fn a_decoding_node_publishes_its_stored_blocks_as_vllm_kv_events() {
             .any(|e| matches!(e, ppd_core::residency::KvEvent::Stored { .. })),
         "no BlockStored reached the subscriber: {stored:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_times_n_answers_one_choice_per_prompt_and_sample_whole_and_streamed() {
+    let c = cluster("1R", 6).await;
+    let url = format!("{}/v1/completions", c.nodes[0].url);
+    let body = json!({"model": MODEL, "prompt": ["one two", "three"], "n": 2, "max_tokens": 3, "logprobs": 1});
+    let (s, v) = post(&url, &body).await;
+    assert_eq!(s, 200, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    let idx: Vec<u64> = choices
+        .iter()
+        .map(|c| c["index"].as_u64().unwrap())
+        .collect();
+    assert_eq!(idx, [0, 1, 2, 3]);
+    for ch in choices {
+        let lp = &ch["logprobs"];
+        let tokens: Vec<&str> = lp["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_str().unwrap())
+            .collect();
+        assert_eq!(tokens.concat(), ch["text"].as_str().unwrap());
+        assert!(lp["token_logprobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|x| x.as_f64().unwrap() <= 0.0));
+    }
+    assert_eq!(v["usage"]["completion_tokens"], 12);
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (s, _, events) = post_sse(&url, &streamed).await;
+    assert_eq!(s, 200);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let mut finishes = [0; 4];
+    for e in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        for ch in v["choices"].as_array().unwrap() {
+            if !ch["finish_reason"].is_null() {
+                finishes[ch["index"].as_u64().unwrap() as usize] += 1;
+            }
+        }
+    }
+    assert_eq!(finishes, [1, 1, 1, 1]);
+    c.shutdown().await;
 }

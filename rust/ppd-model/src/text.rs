@@ -54,6 +54,18 @@ impl Generator {
         out.extend((0..n).map(|i| token_id(self.word(key, i))));
     }
 
+    /// `k` distinct words other than word `i` of the answer for `key`: the
+    /// alternatives shown to a client asking for logprobs.
+    pub fn alternatives(&self, key: u64, i: u32, k: u32) -> Vec<&'static str> {
+        let chosen = self.word(key, i);
+        let start = mix64(key ^ mix64(u64::from(i) ^ 0xA17E)) as usize;
+        (0..VOCAB.len())
+            .map(|j| VOCAB[(start + j) % VOCAB.len()])
+            .filter(|w| *w != chosen)
+            .take(k as usize)
+            .collect()
+    }
+
     /// The text of answer token `i` as streamed: a leading space after the first.
     pub fn piece(&self, key: u64, i: u32) -> String {
         let w = self.word(key, i);
