@@ -298,17 +298,23 @@ def ratio_table(runs: list, rates: list, pairs: list, title: str) -> None:
     print("|---|---:|---:|---:|---:|---:|---:|")
     for a_name, b_name in pairs:
         for rate in rates:
-            def mv(routed: str, f, rate: float = rate) -> float:
-                return med([f(r) for r in runs if r["routed"] == routed and r["rate"] == rate])
-            if not any(r["routed"] == b_name and r["rate"] == rate for r in runs):
-                continue
-            cells = []
-            for f in (lambda r: added(r, "p50"), lambda r: added(r, "p99"),
-                      lambda r: r["routed_summary"]["ttft_us"]["p50"], lambda r: r["routed_summary"]["ttft_us"]["p99"],
-                      lambda r: r["router_cpu_us_per_req"]):
-                a, b = mv(a_name, f), mv(b_name, f)
-                cells.append(f"{a / b:.2f}" if b and b > 0 and a == a else "n/a")
-            print(f"| {a_name} / {b_name} | {rate:g} | " + " | ".join(cells) + " |")
+            if any(r["routed"] == b_name and r["rate"] == rate for r in runs):
+                cells = ratio_cells(runs, rate, a_name, b_name)
+                print(f"| {a_name} / {b_name} | {rate:g} | " + " | ".join(cells) + " |")
+
+
+def ratio_cells(runs: list, rate: float, a_name: str, b_name: str) -> list[str]:
+    """Medians of target a over those of target b at one rate: added p50 and p99, routed TTFT p50
+    and p99, CPU per request."""
+    def mv(routed: str, f) -> float:
+        return med([f(r) for r in runs if r["routed"] == routed and r["rate"] == rate])
+    cells = []
+    for f in (lambda r: added(r, "p50"), lambda r: added(r, "p99"),
+              lambda r: r["routed_summary"]["ttft_us"]["p50"], lambda r: r["routed_summary"]["ttft_us"]["p99"],
+              lambda r: r["router_cpu_us_per_req"]):
+        a, b = mv(a_name, f), mv(b_name, f)
+        cells.append(f"{a / b:.2f}" if b and b > 0 and a == a else "n/a")
+    return cells
 
 
 def med(xs: list[float]) -> float:
@@ -366,18 +372,8 @@ def peers_table(runs: list, rates: list) -> None:
     for ours, peers in PEERS:
         for peer in peers:
             for rate in rates:
-                def mv(routed: str, f, rate: float = rate) -> float:
-                    return med([f(r) for r in runs if r["routed"] == routed and r["rate"] == rate])
-                if not any(r["routed"] == peer and r["rate"] == rate for r in runs):
-                    continue
-                cells = []
-                for f in (lambda r: added(r, "p50"), lambda r: added(r, "p99"),
-                          lambda r: r["routed_summary"]["ttft_us"]["p50"],
-                          lambda r: r["routed_summary"]["ttft_us"]["p99"],
-                          lambda r: r["router_cpu_us_per_req"]):
-                    a, b = mv(ours, f), mv(peer, f)
-                    cells.append(f"{a / b:.2f}" if b and b > 0 and a == a else "n/a")
-                print(f"| {ours} / {peer} | {rate:g} | " + " | ".join(cells) + " |")
+                if any(r["routed"] == peer and r["rate"] == rate for r in runs):
+                    print(f"| {ours} / {peer} | {rate:g} | " + " | ".join(ratio_cells(runs, rate, ours, peer)) + " |")
 
 if __name__ == "__main__":
     main()

@@ -100,16 +100,8 @@ impl NodeClient {
         &self,
         url: &str,
     ) -> impl Future<Output = Result<StatusCode, CallError>> + '_ {
-        let uri = url.parse::<Uri>().map_err(|e| CallError {
-            message: format!("{url}: {e}"),
-            connect: true,
-        });
-        async move {
-            let resp = self
-                .call(Method::GET, uri?, HeaderMap::new(), Full::default())
-                .await?;
-            Ok(resp.status())
-        }
+        let head = self.get_head(url);
+        async move { Ok(head.await?.status()) }
     }
 
     /// GETs `url` and reads its whole body (the future does not borrow `url`).
@@ -117,16 +109,23 @@ impl NodeClient {
         &self,
         url: &str,
     ) -> impl Future<Output = Result<(StatusCode, Bytes), CallError>> + '_ {
+        let head = self.get_head(url);
+        async move {
+            let resp = head.await?;
+            let status = resp.status();
+            Ok((status, read_body(resp).await?))
+        }
+    }
+
+    /// A GET of `url`, resolved at the answer's head.
+    fn get_head(&self, url: &str) -> impl Future<Output = Result<Answer, CallError>> + '_ {
         let uri = url.parse::<Uri>().map_err(|e| CallError {
             message: format!("{url}: {e}"),
             connect: true,
         });
         async move {
-            let resp = self
-                .call(Method::GET, uri?, HeaderMap::new(), Full::default())
-                .await?;
-            let status = resp.status();
-            Ok((status, read_body(resp).await?))
+            self.call(Method::GET, uri?, HeaderMap::new(), Full::default())
+                .await
         }
     }
 
