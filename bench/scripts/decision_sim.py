@@ -43,19 +43,28 @@ LAYOUTS = {
 QPS = (1, 2, 4, 6, 8, 10, 12, 16, 20)
 POLICIES = ("pd", "local", "fraction:0.5", "ppd", "dynamo-isl", "dynamo-load", "llmd-threshold", "ppd-live")
 STATIC = ("pd", "local", "fraction:0.5")
+# The recorded workloads, each over Table 3's 27 points, summarised apart.
+RECORDED = (("wildchat-like", "wildchat-like (Table 3's 27 points)"), ("sharegpt", "ShareGPT (27 points)"))
 WEIGHTS = ((1.0, 1.0), (1.0, 3.0))
 # Stated before the first run (H100 profile, Llama-3.1-8B): a chat product's
 # tight objectives and a batch-tolerant loose one.
 SLOS = {"tight": {"ttft_ms": 150.0, "tpot_ms": 15.0}, "loose": {"ttft_ms": 1000.0, "tpot_ms": 40.0}}
 
 
-def points(workloads: list[str]) -> list[dict[str, Any]]:
+def points(workloads: list[str], profile: Optional[str] = None) -> list[dict[str, Any]]:
     out = []
     for wl in workloads:
         for d, table in LAYOUTS.items():
             for q in QPS:
                 for pol in POLICIES:
-                    base = {"deployment": d, "policy": pol, "workload": wl, "qps": float(q), "table": table}
+                    base = {
+                        "deployment": d,
+                        "policy": pol,
+                        "workload": wl,
+                        "qps": float(q),
+                        "table": table,
+                        "profile": profile,
+                    }
                     for w_ttft, w_tpot in WEIGHTS:
                         out.append({**base, "w_ttft": w_ttft, "w_tpot": w_tpot, "slo": None, "setting": f"w{w_tpot:g}"})
                     for name, slo in SLOS.items():
@@ -63,7 +72,7 @@ def points(workloads: list[str]) -> list[dict[str, Any]]:
     return out
 
 
-KEEP_META = ("setting", "deployment", "policy", "workload", "qps", "w_ttft", "w_tpot", "slo")
+KEEP_META = ("setting", "deployment", "policy", "workload", "qps", "w_ttft", "w_tpot", "slo", "profile")
 KEEP = (
     "success_rate",
     "slo_attainment",
@@ -98,6 +107,7 @@ def run(pts: list[dict[str, Any]], out: Path, threads: int) -> None:
         kw = {k: v for k, v in p.items() if k != "setting"}
         r = simulate_point(loaded=loaded.get(p["workload"]), **kw)
         r["meta"]["setting"] = p["setting"]
+        r["meta"]["profile"] = p["profile"]
         return r
 
     with _open(out, "wt") as f, ThreadPoolExecutor(threads) as ex:
@@ -125,7 +135,7 @@ def summary(path: Path) -> str:
     lines = []
     live = "ppd-live"
     for setting in [f"w{w:g}" for _, w in WEIGHTS]:
-        for wl_filter, label in (("wildchat-like", "wildchat-like (Table 3's 27 points)"), (None, "all points")):
+        for wl_filter, label in (*RECORDED, (None, "all points")):
             cells = [(k, v) for (s, k), v in by.items() if s == setting and (wl_filter is None or k[0] == wl_filter)]
             if not cells:
                 continue
@@ -173,7 +183,8 @@ def summary(path: Path) -> str:
         "",
         "## Goal B (SLO attainment, all requests)",
         "",
-        "| SLO | points | ppd-live ≥ every other − 1 pt | points where some policy misses | ppd-live strictly best there |",
+        "| SLO | points | ppd-live ≥ every other − 1 pt | points where some policy misses "
+        "| ppd-live strictly best there |",
         "|---|---:|---:|---:|---:|",
     ]
     for name in SLOS:
@@ -191,15 +202,24 @@ def summary(path: Path) -> str:
         need = [v for v in cells if any(v[p]["success_rate"] >= 0.99999 for p in STATIC if p in v)]
         met = sum(v[live]["success_rate"] >= 0.99999 for v in need)
         out.append(f"- {setting}: {met} of {len(need)} points")
-    out += [
+    for wl, _ in RECORDED:
+        if any(k[0] == wl for _, k in by):
+            out += _per_point(by, wl)
+    return "\n".join(out)
+
+
+def _per_point(by: dict[tuple[str, tuple[str, str, float]], dict[str, dict[str, Any]]], wl: str) -> list[str]:
+    """Each point's Turn-2+ means of every policy, and ppd-live's path shares there."""
+    live = "ppd-live"
+    out = [
         "",
-        "## Mean Turn-2+ TTFT / TPOT (ms), wildchat-like, weights (1, 1)",
+        f"## Mean Turn-2+ TTFT / TPOT (ms), {wl}, weights (1, 1)",
         "",
         "| layout | qps | " + " | ".join(POLICIES) + " |",
         "|---|---:|" + "---:|" * len(POLICIES),
     ]
     for (s, k), v in sorted(by.items(), key=lambda kv: (kv[0][1][1], kv[0][1][2])):
-        if s != "w1" or k[0] != "wildchat-like":
+        if s != "w1" or k[0] != wl:
             continue
         vals = [
             f"{v[p]['turn2plus']['avg_ttft_ms']:.0f} / {v[p]['turn2plus']['avg_tpot_ms']:.2f}" if p in v else "–"
@@ -208,21 +228,21 @@ def summary(path: Path) -> str:
         out.append(f"| {k[1]} | {k[2]:g} | " + " | ".join(vals) + " |")
     out += [
         "",
-        "## ppd-live's path shares and prediction error, wildchat-like, weights (1, 1)",
+        f"## ppd-live's path shares and prediction error, {wl}, weights (1, 1)",
         "",
         "| layout | qps | local | pull | pd | median abs ln(observed/predicted) TTFT |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for (s, k), v in sorted(by.items(), key=lambda kv: (kv[0][1][1], kv[0][1][2])):
-        if s != "w1" or k[0] != "wildchat-like" or live not in v:
+        if s != "w1" or k[0] != wl or live not in v:
             continue
         r = v[live]
-        pd_share = 1.0 - r["local_share"] - r.get("pull_share", 0.0)
+        pd_share = max(0.0, 1.0 - r["local_share"] - r.get("pull_share", 0.0))
         out.append(
             f"| {k[1]} | {k[2]:g} | {r['local_share']:.2f} | {r.get('pull_share', 0.0):.2f} | {pd_share:.2f} "
             f"| {r.get('ttft_prediction_error', 0.0):.3f} |"
         )
-    return "\n".join(out)
+    return out
 
 
 def _best(v: dict[str, dict[str, Any]], pol: str, metric: str) -> int:
@@ -249,6 +269,11 @@ def main() -> int:
     ap.add_argument("--summary", type=Path, help="compute the goals from a sweep's lines")
     ap.add_argument("--workloads", default="table3", help="table3 (wildchat-like), all, or a comma list")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--profile",
+        help="engine profile of every node and of ppd-live's cost model (default: the built-in H100 one, "
+        "P2pNccl as measured; h100-llama3.1-8b-nixl: the same GPUs as a NIXL deployment)",
+    )
     a = ap.parse_args()
     if a.out:
         if a.workloads == "table3":
@@ -262,7 +287,7 @@ def main() -> int:
                 print(f"sharegpt left out: {e}", file=sys.stderr)
         else:
             wls = a.workloads.split(",")
-        run(points(wls), a.out, a.threads)
+        run(points(wls, a.profile), a.out, a.threads)
     if a.summary:
         print(summary(a.summary))
     return 0
