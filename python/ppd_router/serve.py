@@ -87,9 +87,14 @@ _SCALARS: dict[str, tuple[type, str]] = {
     ),
     "state": (
         str,
-        "share admin changes (weights, policy, nodes, table) with the other replicas of this router through "
-        "Redis at redis://HOST[:PORT][/DB] (default: PPD_STATE, else nothing is shared); a password in the URL "
-        "is better given through PPD_STATE than on the command line",
+        "share admin changes (weights, policy, nodes, table) and conversation rates with the other replicas of "
+        "this router through Redis at redis://HOST[:PORT][/DB], or rediss:// over TLS (default: PPD_STATE, else "
+        "nothing is shared); a password in the URL is better given through PPD_STATE than on the command line",
+    ),
+    "state_ca_file": (
+        str,
+        "PEM file of the CA certificates a rediss:// --state store's certificate must chain to, instead of the "
+        "public web roots",
     ),
     "state_prefix": (
         str,

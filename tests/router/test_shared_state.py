@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -34,28 +35,52 @@ needs_redis = pytest.mark.skipif(
 )
 
 
-class Redis:
-    """A redis-server of our own on 127.0.0.1, without persistence (a restart loses every key)."""
+class Certs:
+    """A CA of our own and a certificate it signed for 127.0.0.1 (openssl's command line)."""
 
-    def __init__(self, workdir: str) -> None:
+    def __init__(self, d: Path) -> None:
+        self.ca, self.cert, self.key = str(d / "ca.pem"), str(d / "server.pem"), str(d / "server.key")
+        ext = d / "san.ext"
+        ext.write_text("subjectAltName=IP:127.0.0.1\n")
+        for cmd in (
+            ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(d / "ca.key"), "-out", self.ca,
+             "-days", "1", "-subj", "/CN=ppd-test-ca"],
+            ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", self.key, "-out", str(d / "server.csr"),
+             "-subj", "/CN=127.0.0.1"],
+            ["x509", "-req", "-in", str(d / "server.csr"), "-CA", self.ca, "-CAkey", str(d / "ca.key"),
+             "-CAcreateserial", "-out", self.cert, "-days", "1", "-extfile", str(ext)],
+        ):  # fmt: skip
+            subprocess.run(["openssl", *cmd], check=True, capture_output=True)
+
+
+class Redis:
+    """A redis-server of our own on 127.0.0.1, without persistence (a restart loses every key); over TLS
+    only with ``certs``."""
+
+    def __init__(self, workdir: str, certs: Optional[Certs] = None) -> None:
         self.port = free_port()
         self.workdir = workdir
+        self.certs = certs
         self.proc: Optional[subprocess.Popen] = None
         self.start()
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
+        return f"{'rediss' if self.certs else 'redis'}://127.0.0.1:{self.port}"
 
     def start(self) -> None:
         cmd = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                "--dir", self.workdir]  # fmt: skip
+        if self.certs:
+            cmd[1:3] = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", self.certs.cert,
+                        "--tls-key-file", self.certs.key, "--tls-ca-cert-file", self.certs.ca,
+                        "--tls-auth-clients", "no"]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, "redis-server exited at start"
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                with self._connect() as s:
                     s.sendall(b"PING\r\n")
                     if s.recv(16).startswith(b"+PONG"):
                         return
@@ -63,6 +88,12 @@ class Redis:
                 pass
             time.sleep(0.05)
         raise TimeoutError("redis-server did not answer PING")
+
+    def _connect(self) -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", self.port), timeout=0.5)
+        if not self.certs:
+            return s
+        return ssl.create_default_context(cafile=self.certs.ca).wrap_socket(s, server_hostname="127.0.0.1")
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -282,10 +313,62 @@ def test_losing_redis_keeps_serving_and_the_outages_change_reaches_the_others_af
     eventually(lambda: a.get("/admin/weights") == {"w_ttft": 4.0, "w_tpot": 1.0}, 1.0)
 
 
-def test_a_state_url_that_is_not_redis_is_refused_by_name():
-    for url in ("http://127.0.0.1:6379", "rediss://cache:6380", "redis//nohost"):
+@needs_redis
+def test_each_replica_decides_with_the_fleets_conversation_rate_and_forgets_a_stopped_replica(replicas):
+    a, b, c = replicas(3)
+    eventually(lambda: all(r.health()["state"]["other_replicas"] == 2 for r in (a, b, c)), within=3)
+    for _ in range(8):  # new conversations, all through a
+        assert a.chat().status_code == 200
+    own_a = a.get("/admin/stats")["qps"]
+    assert own_a > 0
+    # b and c saw none of them, yet decide with a's rate once a has reported it (every second).
+    eventually(lambda: all(r.get("/admin/stats")["fleet_qps"] > 0 for r in (b, c)), within=3)
+    for r in (b, c):
+        stats = r.get("/admin/stats")
+        assert stats["qps"] == 0
+        assert 0 < stats["fleet_qps"] <= 1.5 * own_a
+        assert r.health()["state"]["other_replicas_qps"] == stats["fleet_qps"]
+    assert a.get("/admin/stats")["fleet_qps"] == pytest.approx(a.get("/admin/stats")["qps"], abs=0.5)
+    # A stopped replica stops counting once it has missed five reports.
+    a.stop()
+    eventually(lambda: b.health()["state"]["other_replicas"] == 1, within=10)
+    assert b.get("/admin/stats")["fleet_qps"] == 0
+
+
+@needs_redis
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl's command line makes the test's CA")
+def test_replicas_share_through_a_tls_store_that_they_trust_by_its_ca_only(node, tmp_path):
+    certs = Certs(tmp_path)
+    store = Redis(str(tmp_path), certs)
+    made: list[Replica] = []
+    try:
+        a, b = (Replica(node, "--state", store.url, "--state-ca-file", certs.ca) for _ in range(2))
+        made += [a, b]
+        for r in (a, b):
+            eventually(lambda r=r: r.health()["state"]["connected"], within=10)
+        assert a.send("PUT", "/admin/weights", json={"w_ttft": 1, "w_tpot": 6}).json()["shared"]["stored"] is True
+        eventually(lambda: b.get("/admin/weights") == {"w_ttft": 1.0, "w_tpot": 6.0}, 1.0)
+        # Without the CA, the public web roots do not vouch for this store: serving on, unshared, saying why.
+        untrusting = Replica(node, "--state", store.url)
+        made.append(untrusting)
+        eventually(lambda: "state store unreachable" in untrusting.stderr(), within=10)
+        assert untrusting.health()["state"]["connected"] is False
+        assert "certificate" in untrusting.stderr().lower()
+        assert untrusting.chat().status_code == 200
+    finally:
+        for r in made:
+            r.stop()
+        store.kill()
+
+
+def test_a_state_url_that_is_not_redis_is_refused_by_name(tmp_path):
+    for url in ("http://127.0.0.1:6379", "https://cache:6380", "redis//nohost"):
         with pytest.raises(ConfigError, match="state"):
             Router(f'{{"replica": ["http://127.0.0.1:9"], "state": "{url}"}}')
+    ca = tmp_path / "ca.pem"
+    ca.write_text("not a certificate\n")
+    with pytest.raises(ConfigError, match="state_ca_file.*rediss://"):
+        Router(f'{{"replica": ["http://127.0.0.1:9"], "state": "redis://cache", "state_ca_file": "{ca}"}}')
     with pytest.raises(ConfigError, match="state_prefix"):
         Router('{"replica": ["http://127.0.0.1:9"], "state_prefix": "has space"}')
 

@@ -623,10 +623,13 @@ async fn stats(State(st): State<Arc<AppState>>, h: HeaderMap) -> Response {
             by_path_reason.push(json!({"path": p.as_str(), "reason": r.as_str(), "count": n}));
         }
     }
+    let qps = st.qps.lock().rate(st.now_ms());
     Json(json!({
         "by_path": by_path, "by_reason": by_reason, "by_path_reason": by_path_reason,
         "by_cell": st.cell_counts(), "sessions": session_stats(&st),
-        "qps": st.qps.lock().rate(st.now_ms()),
+        "qps": qps,
+        // The rate the decision uses: this replica's and the others' (with `state`).
+        "fleet_qps": qps + st.shared.as_ref().map_or(0.0, |s| s.fleet.others_rate()),
     }))
     .into_response()
 }

@@ -201,9 +201,14 @@ pub struct RouterConfig {
     /// `/v1/traces` (the name vLLM gives its own setting); unset: no spans.
     pub otlp_traces_endpoint: Option<String>,
     /// Where admin changes are shared with the other replicas of this router
-    /// (`redis://HOST[:PORT][/DB]`, shared.rs); unset: the environment
-    /// variable [`STATE_ENV`], else nothing is shared (one router on its own).
+    /// (`redis://HOST[:PORT][/DB]`, or `rediss://` over TLS; shared.rs);
+    /// unset: the environment variable [`STATE_ENV`], else nothing is shared
+    /// (one router on its own).
     pub state: Option<String>,
+    /// PEM file of the CA certificates that a `rediss://` state store's
+    /// certificate must chain to, instead of the public web roots (a private
+    /// CA, as in-cluster Redis usually has).
+    pub state_ca_file: Option<String>,
     /// The namespace of this router's keys and channel in `state`, so that
     /// two clusters can share one Redis.
     pub state_prefix: String,
@@ -389,6 +394,7 @@ impl Default for RouterConfig {
             otlp_traces_endpoint: None,
             state: None,
             state_prefix: "ppd".into(),
+            state_ca_file: None,
             state_url: None,
             worker_threads: 0,
             runtime: Runtime::ThreadPerCore,
@@ -738,6 +744,9 @@ impl RouterConfig {
             check_filter(filter).map_err(|e| bad("log", e))?;
         }
         self.state_url = resolve_state(self.state.as_deref(), std::env::var(STATE_ENV).ok())?;
+        if let Some(path) = &self.state_ca_file {
+            check_state_ca(self.state_url.as_deref(), path).map_err(|e| bad("state_ca_file", e))?;
+        }
         check_state_prefix(&self.state_prefix).map_err(|e| bad("state_prefix", e))?;
         self.admin_secret = self.resolve_admin_token(std::env::var(ADMIN_TOKEN_ENV).ok())?;
         self.client_secret = resolve_secret(
@@ -939,7 +948,7 @@ fn resolve_secret(
 
 /// The state store in force: `state`, else `env` (the value of
 /// [`STATE_ENV`]; empty counts as unset), checked to be a Redis URL the
-/// client can use. Only plain `redis://`: the client is built without TLS.
+/// client can use: `redis://`, or `rediss://` over TLS.
 fn resolve_state(
     setting: Option<&str>,
     env: Option<String>,
@@ -951,10 +960,10 @@ fn resolve_state(
     };
     // Never the URL itself in the message: it may hold a password.
     let shown = without_password(&url);
-    if !url.starts_with("redis://") {
+    if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
         return Err(bad(
             "state",
-            format!("{shown:?}{from}: expected redis://HOST[:PORT][/DB] (Redis is the only state store; rediss:// and unix sockets are not supported)"),
+            format!("{shown:?}{from}: expected redis://HOST[:PORT][/DB] or rediss:// (Redis is the only state store; unix sockets are not supported)"),
         ));
     }
     redis::Client::open(url.as_str())
@@ -984,7 +993,15 @@ fn check_state_prefix(prefix: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// The CA certificates of `upstream_ca_file` (PEM, at least one).
+/// A `state_ca_file` is for a TLS store only, and must hold certificates.
+fn check_state_ca(state_url: Option<&str>, path: &str) -> Result<(), String> {
+    if !state_url.is_some_and(|u| u.starts_with("rediss://")) {
+        return Err("applies to a rediss:// state store only".into());
+    }
+    read_ca_file(path).map(|_| ())
+}
+
+/// The CA certificates of `upstream_ca_file` or `state_ca_file` (PEM, at least one).
 pub fn read_ca_file(path: &str) -> Result<Vec<rustls::pki_types::CertificateDer<'static>>, String> {
     use rustls::pki_types::pem::PemObject;
     let pem = std::fs::read(path).map_err(|e| format!("cannot read {path}: {e}"))?;
@@ -1102,10 +1119,10 @@ mod tests {
     }
 
     #[test]
-    fn a_state_url_that_is_not_plain_redis_is_refused_without_showing_its_password() {
+    fn a_state_url_that_is_not_redis_is_refused_without_showing_its_password() {
         for url in [
             "http://cache:6379",
-            "rediss://:pw-secret@cache:6380",
+            "https://:pw-secret@cache:6380",
             "unix:///tmp/redis.sock",
             "redis://:pw-secret@",
         ] {
@@ -1115,6 +1132,24 @@ mod tests {
         }
         let e = resolve_state(None, Some("http://x".into())).unwrap_err();
         assert!(e.message.contains(STATE_ENV), "{e}");
+    }
+
+    #[test]
+    fn a_tls_state_store_is_taken_and_only_it_takes_a_ca_file() {
+        assert_eq!(
+            resolve_state(Some("rediss://:pw@cache:6380/1"), None).unwrap(),
+            Some("rediss://:pw@cache:6380/1".into())
+        );
+        let dir = std::env::temp_dir().join(format!("ppd-state-ca-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let empty = dir.join("empty.pem");
+        std::fs::write(&empty, "").unwrap();
+        let empty = empty.to_str().unwrap();
+        let e = check_state_ca(Some("redis://cache"), empty).unwrap_err();
+        assert!(e.contains("rediss://"), "{e}");
+        assert!(check_state_ca(None, empty).is_err());
+        let e = check_state_ca(Some("rediss://cache"), empty).unwrap_err();
+        assert!(e.contains("no PEM certificate"), "{e}");
     }
 
     #[test]

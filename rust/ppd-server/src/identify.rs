@@ -89,7 +89,7 @@ pub(crate) fn identify(
             q.record(now);
         }
         q.rate(now)
-    };
+    } + st.shared.as_ref().map_or(0.0, |s| s.fleet.others_rate());
     let placement_key = conv.placement_key();
     let mut prompt_ids = exact_prompt_ids(st, view, session.as_ref())?;
     // Under rendezvous placement other replicas serve turns too: a session

@@ -26,6 +26,7 @@ pub mod config;
 mod connection;
 mod connector;
 pub mod error;
+mod fleet_rate;
 mod head;
 mod identify;
 mod ingress;

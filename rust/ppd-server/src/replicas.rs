@@ -111,6 +111,7 @@ async fn connected(
         .map_err(|_| "subscribing timed out".to_owned())?
         .map_err(|e| e.to_string())?;
     let script = redis::Script::new(STORE);
+    let report = redis::Script::new(crate::fleet_rate::REPORT);
 
     // What was changed here meanwhile goes first, so it is the newest.
     while let Some((subject, change)) = view.pending.pop_first() {
@@ -187,8 +188,9 @@ async fn connected(
                 }
             }
             _ = ping.tick() => {
-                let pong: Result<String, _> = conn.ping().await;
-                pong.map_err(|e| e.to_string())?;
+                // The rate report is the liveness check too: it fails as a ping would.
+                let own = st.qps.lock().rate(st.now_ms());
+                crate::fleet_rate::report(&mut conn, &report, &shared.keys, &shared.replica, own, &shared.fleet).await?;
             }
         }
     }

@@ -151,6 +151,8 @@ pub(crate) struct Shared {
     /// Numbers every change applied here, local or another replica's, in the
     /// order they were applied (see [`Shared::in_order`]).
     order: Mutex<u64>,
+    /// The other replicas' conversation rates, as last read from the store.
+    pub fleet: crate::fleet_rate::FleetRate,
 }
 
 /// The names of this router's keys and channel.
@@ -159,6 +161,9 @@ pub(crate) struct Keys {
     pub hash: String,
     pub version: String,
     pub channel: String,
+    /// The replicas' conversation rates and when each last reported (fleet_rate.rs).
+    pub rate: String,
+    pub rate_seen: String,
 }
 
 impl Keys {
@@ -167,6 +172,8 @@ impl Keys {
             hash: format!("{prefix}:admin"),
             version: format!("{prefix}:admin:version"),
             channel: format!("{prefix}:admin"),
+            rate: format!("{prefix}:rate"),
+            rate_seen: format!("{prefix}:rate:seen"),
         }
     }
 }
@@ -175,7 +182,8 @@ impl Keys {
 pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 pub(crate) const COMMAND_TIMEOUT: Duration = Duration::from_secs(2);
 /// How often a connected replica checks that the store still answers (a
-/// silent network loss leaves the subscription open but dead).
+/// silent network loss leaves the subscription open but dead); the check is
+/// its rate report (fleet_rate.rs).
 pub(crate) const PING_EVERY: Duration = Duration::from_secs(1);
 /// How long an admin answer waits for the store before saying "pending".
 const ANSWER_WAIT: Duration = Duration::from_secs(2);
@@ -191,9 +199,26 @@ pub(crate) fn backoff(attempt: u32) -> Duration {
 }
 
 impl Shared {
-    /// The shared state of a router with `state_url` (validated with the settings).
-    pub(crate) fn new(url: &str, prefix: &str, now_ms: u64) -> Result<Shared, String> {
-        let client = redis::Client::open(url).map_err(|e| e.to_string())?;
+    /// The shared state of a router with `state_url` (validated with the
+    /// settings); a `rediss://` store's certificate chains to `ca_pem`'s CAs
+    /// when given, else to the public web roots.
+    pub(crate) fn new(
+        url: &str,
+        ca_pem: Option<Vec<u8>>,
+        prefix: &str,
+        now_ms: u64,
+    ) -> Result<Shared, String> {
+        let client = match ca_pem {
+            Some(pem) => redis::Client::build_with_tls(
+                url,
+                redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(pem),
+                },
+            ),
+            None => redis::Client::open(url),
+        }
+        .map_err(|e| e.to_string())?;
         let (outbox, inbox) = mpsc::unbounded_channel();
         Ok(Shared {
             client,
@@ -207,6 +232,7 @@ impl Shared {
             },
             pending: AtomicUsize::new(0),
             order: Mutex::new(0),
+            fleet: crate::fleet_rate::FleetRate::default(),
         })
     }
 
@@ -260,7 +286,8 @@ impl Shared {
         self.pending.store(n, Ordering::Relaxed);
     }
 
-    /// `{"backend", "connected", "since_s", "pending"}` for `/health`.
+    /// `{"backend", "connected", "since_s", "pending", "other_replicas",
+    /// "other_replicas_qps"}` for `/health`.
     pub(crate) fn health(&self, now_ms: u64) -> serde_json::Value {
         let since = now_ms.saturating_sub(self.link.since_ms.load(Ordering::Relaxed));
         serde_json::json!({
@@ -268,6 +295,8 @@ impl Shared {
             "connected": self.link.connected.load(Ordering::Relaxed),
             "since_s": since as f64 / 1000.0,
             "pending": self.pending.load(Ordering::Relaxed),
+            "other_replicas": self.fleet.others(),
+            "other_replicas_qps": self.fleet.others_rate(),
         })
     }
 }
@@ -539,7 +568,7 @@ mod tests {
 
     #[test]
     fn changes_applied_in_order_are_numbered_in_that_order() {
-        let shared = Shared::new("redis://127.0.0.1:1", "t", 0).unwrap();
+        let shared = Shared::new("redis://127.0.0.1:1", None, "t", 0).unwrap();
         let (a, first) = shared.in_order(|| "a");
         let (b, second) = shared.in_order(|| "b");
         assert_eq!((a, b), ("a", "b"));
@@ -559,6 +588,10 @@ mod tests {
         assert_eq!(
             (k.hash.as_str(), k.version.as_str(), k.channel.as_str()),
             ("blue:admin", "blue:admin:version", "blue:admin")
+        );
+        assert_eq!(
+            (k.rate.as_str(), k.rate_seen.as_str()),
+            ("blue:rate", "blue:rate:seen")
         );
     }
 }

@@ -126,10 +126,20 @@ impl AppState {
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0);
         let shared = match &cfg.state_url {
-            Some(url) => Some(
-                crate::shared::Shared::new(url, &cfg.state_prefix, started_wall_ms)
-                    .map_err(|e| ServerError::Config(format!("invalid setting `state`: {e}")))?,
-            ),
+            Some(url) => {
+                let ca = match &cfg.state_ca_file {
+                    Some(path) => Some(std::fs::read(path).map_err(|e| {
+                        ServerError::Config(format!("invalid setting `state_ca_file`: {e}"))
+                    })?),
+                    None => None,
+                };
+                Some(
+                    crate::shared::Shared::new(url, ca, &cfg.state_prefix, started_wall_ms)
+                        .map_err(|e| {
+                            ServerError::Config(format!("invalid setting `state`: {e}"))
+                        })?,
+                )
+            }
             None => None,
         };
         let metrics = if shared.is_some() {
