@@ -460,15 +460,18 @@ impl<'a> Sim<'a> {
     }
 
     /// What the router sees for a Turn 2+ request on D `d`: every node's
-    /// state now (one router, whose own accounting is exact), the prompt
-    /// tokens D and the next P hold.
+    /// state now (one router, whose own accounting is exact), or, among
+    /// several replicas, as the deciding one's last refresh read it; the
+    /// prompt tokens D and the next P hold (KV events: the same truth at
+    /// every replica).
     fn live_view(&self, conv: u32, d: usize, prompt: u32) -> LiveView {
         let content = self.content(conv, prompt);
+        let replica = &self.replicas[self.convs[conv as usize].replica as usize];
         let view = |n: usize| ppd_core::NodeView {
             node: n as u32,
-            ..self.nodes[n].load_view()
+            ..replica.view(n).unwrap_or_else(|| self.nodes[n].load_view())
         };
-        let rr_p = self.replicas[self.convs[conv as usize].replica as usize].rr_p;
+        let rr_p = replica.rr_p;
         let p = (!self.ps.is_empty()).then(|| self.ps[rr_p % self.ps.len()]);
         LiveView {
             d: view(d),
@@ -505,7 +508,7 @@ impl<'a> Sim<'a> {
             c.on_replica = false;
         }
         let seen_turn = if rekeyed { 1 } else { turn };
-        let qps = self.replicas[r].qps.rate(t as u64);
+        let qps = self.replicas[r].fleet_rate(t as u64);
         let mut input = DecisionInput::turn(seen_turn, n_in, n_out, n_ctx, qps);
         input.conv_hash = if rekeyed {
             mix64(c.key ^ u64::from(turn))
@@ -805,7 +808,22 @@ impl<'a> Sim<'a> {
                 self.end_conversation(t, conv)?;
             }
             Ext::Refresh(r) => {
-                self.replicas[r as usize].refresh(&self.inflight, self.d_inflight);
+                let r = r as usize;
+                let now = t as u64;
+                let others_rate = (0..self.replicas.len())
+                    .filter(|&o| o != r)
+                    .map(|o| self.replicas[o].qps.rate(now))
+                    .sum();
+                // The nodes' state only where the policy reads it (a copy of
+                // every node per refresh is not free at 1,000 nodes).
+                let views: Vec<_> = if self.replicas[r].router.policy().sees_load() {
+                    self.nodes.iter().map(|n| n.load_view()).collect()
+                } else {
+                    Vec::new()
+                };
+                self.replicas[r].refresh(&self.inflight, self.d_inflight);
+                self.replicas[r].refresh_state(others_rate, &views);
+                let r = r as u32;
                 self.push(t + self.cfg.view_delay_s * 1000.0, Ext::Refresh(r));
             }
         }

@@ -6,7 +6,15 @@
 //!   last refresh (the live router's metrics scrape or shared state), taken
 //!   every `view_delay_s`, the replicas' refreshes staggered evenly over that
 //!   period as independent timers would be;
-//! * with `view_delay_s` = 0, every node's true load at the moment it decides.
+//! * each node's engine state — sequences decoding, prompt work queued, KV in
+//!   use — as that refresh saw it (the live router's scrape of the node's
+//!   `/metrics`), which the cost model of `ppd-live` and the anchors' load
+//!   gates read;
+//! * the fleet's conversation rate: its own, exactly, plus the others' at
+//!   that refresh (the live router's `fleet_rate.rs`), the rate on the
+//!   decision's QPS axis;
+//! * with `view_delay_s` = 0, every node's true load and state at the moment
+//!   it decides.
 //!
 //! Load is the router's count (requests routed to a node and not yet
 //! answered), the load `ppd_core::placement` is defined on. KV residency is
@@ -15,7 +23,7 @@
 
 use ppd_core::placement::{self, Candidate, DEFAULT_LOAD_BOUND};
 use ppd_core::qps::QpsEstimator;
-use ppd_core::DecisionEngine;
+use ppd_core::{DecisionEngine, NodeView};
 
 use crate::engine::mix64;
 
@@ -33,6 +41,10 @@ pub(super) struct Replica {
     others: Vec<u32>,
     /// The load this replica sees summed over the decoding nodes.
     seen_d_total: u64,
+    /// The other replicas' conversation rate at the last refresh.
+    others_rate: f64,
+    /// Every node's engine state at the last refresh; empty before the first.
+    views: Vec<NodeView>,
 }
 
 impl Replica {
@@ -46,6 +58,8 @@ impl Replica {
             mine: vec![0; nodes],
             others: vec![0; nodes],
             seen_d_total: 0,
+            others_rate: 0.0,
+            views: Vec::new(),
         }
     }
 
@@ -57,6 +71,26 @@ impl Replica {
             *o = t - m;
         }
         self.seen_d_total = truth_d_total;
+    }
+
+    /// Takes in what the refresh read besides load: the other replicas'
+    /// conversation rate and every node's engine state (by node index).
+    pub(super) fn refresh_state(&mut self, others_rate: f64, views: &[NodeView]) {
+        self.others_rate = others_rate;
+        self.views.clear();
+        self.views.extend_from_slice(views);
+    }
+
+    /// The conversation rate the decision uses at `now_ms`: this replica's
+    /// own and the others' as last refreshed (with one router, its own).
+    pub(super) fn fleet_rate(&mut self, now_ms: u64) -> f64 {
+        self.qps.rate(now_ms) + self.others_rate
+    }
+
+    /// `node`'s engine state as the last refresh saw it; `None` before the
+    /// first (or when views are exact).
+    pub(super) fn view(&self, node: usize) -> Option<NodeView> {
+        self.views.get(node).copied()
     }
 
     /// One more request of this replica's on `node` (a decoding node or not).
@@ -177,6 +211,27 @@ mod tests {
         assert_eq!((r.seen(0), r.seen(1), r.seen_d_total()), (3, 1, 4));
         r.answered(1, true);
         assert_eq!((r.seen(1), r.seen_d_total()), (0, 3));
+    }
+
+    #[test]
+    fn a_refreshed_replica_decides_with_the_fleets_rate_and_the_node_state_it_read() {
+        let mut r = Replica::new(test_router(), QpsEstimator::new(10_000, 100).unwrap(), 2);
+        for t in [0, 500, 1000, 1500] {
+            r.qps.record(t);
+        }
+        let own = r.qps.rate(2000);
+        assert!(own > 0.0);
+        assert_eq!(r.view(1), None, "no state before the first refresh");
+        let busy = NodeView {
+            running: 40,
+            waiting: 3,
+            ..NodeView::default()
+        };
+        r.refresh_state(6.0, &[NodeView::default(), busy]);
+        assert_eq!(r.fleet_rate(2000), own + 6.0);
+        assert_eq!(r.view(1), Some(busy));
+        // Until the next refresh, whatever the nodes do since.
+        assert_eq!(r.view(0), Some(NodeView::default()));
     }
 
     #[test]

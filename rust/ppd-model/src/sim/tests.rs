@@ -445,3 +445,43 @@ fn a_config_without_the_replica_fields_is_one_router_with_a_1s_view() {
     assert_eq!(c, SimConfig::new("2P2pD", "local", "small_tiny", 1.0));
     assert_eq!((c.routers, c.view_delay_s), (1, 1.0));
 }
+
+/// A table whose rule turns at 8 conversations a second: local (x = 1)
+/// below, pd (x = 0) above.
+fn turning_table() -> Table {
+    let cell = |qps: u32, x1_ttft: u32| {
+        format!(
+            r#"{{"context":"small","workload":"tiny","qps":{qps},
+              "x0":{{"ttft_ms":100,"tpot_ms":10,"n":9}},"x1":{{"ttft_ms":{x1_ttft},"tpot_ms":10,"n":9}}}}"#
+        )
+    };
+    let doc = format!(
+        r#"{{"schema":"ppd-table/1","source":"test","axes":{{"context_bins":[512,4096],
+          "workloads":[{{"name":"tiny","n_in":16,"n_out":32}}],"qps":[1,16]}},
+          "cells":[{},{}]}}"#,
+        cell(1, 50),
+        cell(16, 200)
+    );
+    Table::from_json(&doc, "<test>").unwrap()
+}
+
+#[test]
+fn replicas_look_the_table_up_at_the_fleets_rate_not_at_their_share_of_it() {
+    let table = turning_table();
+    let at = |routers: u32, qps: f64| {
+        let c = SimConfig {
+            routers,
+            view_delay_s: 0.25,
+            duration_s: 20.0,
+            ..SimConfig::new("2P6pD", "ppd", "small_tiny", qps)
+        };
+        simulate(&c, &profile(), Some(&table)).unwrap().local_share
+    };
+    // One router at 16/s goes pd; so do four replicas, each seeing 4/s of its
+    // own (which alone would say local) plus the others' 12.
+    assert!(at(1, 2.0) > 0.9, "{}", at(1, 2.0));
+    let one = at(1, 16.0);
+    let four = at(4, 16.0);
+    assert!(one < 0.1, "{one}");
+    assert!(four < 0.1, "{four}");
+}
