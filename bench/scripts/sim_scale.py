@@ -4,7 +4,11 @@
 60 s of virtual time, through ``ppd-router simulate`` with 8 router replicas,
 timed wall-clock with the load average beside each run. ``spread``: routers
 1 / 3 / 8 × view delays 0 / 1 / 5 s on a 100-node cluster at the same load per
-node, the placement spread and the Turn 2+ figures of each.
+node, the placement spread and the Turn 2+ figures of each. ``decide``: ``ppd-live`` on
+12P4pD (the paper's 3P1pD times 4) with wildchat-like conversations at 12 a second (open
+loop: the most this cluster answers within the 30 s timeout, and a load where ppd-live moves a
+third of the turns off the pDs), routers 1 / 3 / 8 × the same view delays: what deciding on
+the nodes' state as the last refresh read it costs.
 
 Both use the built-in H100 profile as a NIXL deployment (``h100-llama3.1-8b-nixl``:
 P2pNccl's per-request push inside P's step would make 250 P nodes the bottleneck)
@@ -13,6 +17,7 @@ with the paper client's cap of 52 conversations in flight lifted: an open-loop
 
     python bench/scripts/sim_scale.py scale --runs 3 --out bench/results/simulator-scale.jsonl
     python bench/scripts/sim_scale.py spread --out bench/results/simulator-spread.jsonl
+    python bench/scripts/sim_scale.py decide --out bench/results/simulator-decide.jsonl
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ PROFILE_EDITS = {"full_prompt_transfer": "false", "push_ms": "0.0", "max_convers
 SCALE = {"deployment": "250P750pD", "qps": 10_000, "duration": 60, "routers": 8, "view_delay": 1}
 SPREAD = {"deployment": "25P75pD", "qps": 1_000, "duration": 30}
 WORKLOAD = "small_mid_bal"
+DECIDE = {"deployment": "12P4pD", "qps": 12, "duration": 20, "policy": "ppd-live", "workload": "wildchat-like"}
 # The paper's x = 1 on every pD: the lookup tables' QPS axis (0.5-20 on 4 nodes)
 # says nothing about a 1,000-node cluster's rate.
 POLICY = "local"
@@ -58,13 +64,21 @@ def loadavg() -> float:
 
 
 def command(
-    profile: Path, *, deployment: str, qps: float, duration: float, routers: int, view_delay: float
+    profile: Path,
+    *,
+    deployment: str,
+    qps: float,
+    duration: float,
+    routers: int,
+    view_delay: float,
+    policy: str = POLICY,
+    workload: str = WORKLOAD,
 ) -> list[str]:
     exe = shutil.which("ppd-router")
     if exe is None:
         sys.exit("ppd-router is not on PATH (pip install . or maturin develop)")
     return [
-        exe, "simulate", "--deployment", deployment, "--policy", POLICY, "--workload", WORKLOAD,
+        exe, "simulate", "--deployment", deployment, "--policy", policy, "--workload", workload,
         "--qps", f"{qps:g}", "--duration", f"{duration:g}", "--routers", str(routers),
         "--view-delay", f"{view_delay:g}", "--profile", str(profile), "--json",
     ]  # fmt: skip
@@ -124,15 +138,42 @@ def spread(profile: Path) -> list[dict[str, Any]]:
     return out
 
 
+def decide(profile: Path) -> list[dict[str, Any]]:
+    grid = [(1, 1.0)] + [(n, d) for n in (3, 8) for d in (0.0, 1.0, 5.0)]
+    d = DECIDE
+    print(f"{d['deployment']}, {d['policy']}, {d['workload']}, {d['qps']} QPS, {d['duration']} s\n")
+    print(
+        "| routers | view delay (s) | local / pull share | Turn 2+ TTFT mean / p99 (ms) | Turn 2+ TPOT mean (ms) | "
+        "TTFT prediction error | success | wall (s) | load avg |"
+    )
+    print("|---:|---:|---|---|---:|---:|---:|---:|---:|")
+    out = []
+    for routers, delay in grid:
+        r = run(command(profile, **d, routers=routers, view_delay=delay))
+        t2, b = r["turn2plus"], r["bench"]
+        shown_delay = "—" if routers == 1 else f"{delay:g}"
+        print(
+            f"| {routers} | {shown_delay} | {r['local_share']:.2f} / {r['pull_share']:.2f} | "
+            f"{t2['avg_ttft_ms']:.1f} / {t2['p99_ttft_ms']:.1f} | {t2['avg_tpot_ms']:.2f} | "
+            f"{r['ttft_prediction_error']:.3f} | {100 * r['success_rate']:.1f} % | {b['wall_s']:.1f} | "
+            f"{b['loadavg_before']:.2f} |"
+        )
+        out.append(r)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("scale", "spread"))
+    ap.add_argument("what", choices=("scale", "spread", "decide"))
     ap.add_argument("--runs", type=int, default=3, help="scale: timed runs (the figure is their median)")
     ap.add_argument("--out", type=Path, help="append each result as a JSON line here")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         profile = profile_toml(Path(tmp))
-        results = scale(profile, args.runs) if args.what == "scale" else spread(profile)
+        if args.what == "scale":
+            results = scale(profile, args.runs)
+        else:
+            results = spread(profile) if args.what == "spread" else decide(profile)
     if args.out:
         with args.out.open("a") as f:
             for r in results:
