@@ -60,6 +60,44 @@ pub(crate) fn single_data_line(event: &[u8]) -> Option<&[u8]> {
         .then_some(data)
 }
 
+/// The keys of a token chunk as vLLM writes it, after the quote that opens
+/// `choices`: choice 0's content delta first.
+const CONTENT_FIRST: &[u8] = b"choices\":[{\"index\":0,\"delta\":{\"content\":";
+
+/// A plain token chunk — one `data:` line of a JSON object whose `choices`
+/// open with choice 0's content delta, without a `usage`, `error` or
+/// router-only key — as the JSON of that content (from its opening quote).
+/// It is nearly every event of a stream, and one pass over its quotes tells
+/// what [`classify`], `answer::token_text` and [`without_router_fields`]
+/// each search for (five searches of the line); `None` for any other event,
+/// which they then read. A key is a quote, the name and a quote: inside a
+/// JSON string the quotes are escaped, so no string value can pass for one.
+pub(crate) fn token_chunk(event: &[u8]) -> Option<&[u8]> {
+    let data = single_data_line(event)?;
+    if !data.trim_ascii_start().starts_with(b"{") {
+        return None;
+    }
+    let mut content = None;
+    for q in memchr::memchr_iter(b'"', data) {
+        let key = &data[q + 1..];
+        let is = |name: &[u8]| key.starts_with(name) && key.get(name.len()) == Some(&b'"');
+        if content.is_none() && is(b"choices") {
+            // The first `choices` decides, as a search for the whole prefix
+            // would find that one first.
+            key.starts_with(CONTENT_FIRST).then_some(())?;
+            content = Some(q + 1 + CONTENT_FIRST.len());
+        } else if is(b"usage")
+            || is(b"error")
+            || crate::body::ROUTER_ONLY_FIELDS
+                .iter()
+                .any(|f| is(f.as_bytes()))
+        {
+            return None;
+        }
+    }
+    content.map(|at| &data[at..])
+}
+
 /// The data lines of an event, joined by newlines; an event almost always
 /// has exactly one, which is borrowed rather than copied. `None` without any.
 fn joined_data(text: &str) -> Option<Cow<'_, str>> {
@@ -436,6 +474,103 @@ mod tests {
             }
             proptest::prop_assert_eq!(classify(&all), classify_reference(&all));
 
+        }
+    }
+
+    /// What the relay's general reading makes of an event: its kind, the
+    /// digest of what it adds to the answer, and whether it is rewritten.
+    fn read_in_full(ev: &[u8]) -> (EventKind, u128, bool) {
+        let mut h = ppd_core::identity::ContentHasher::new();
+        crate::answer::feed_event(ev, &mut h);
+        (
+            classify(ev),
+            h.digest(),
+            without_router_fields(ev).is_some(),
+        )
+    }
+
+    /// What the token fast path makes of it, when it takes it.
+    fn read_fast(ev: &[u8]) -> Option<(EventKind, u128, bool)> {
+        let content = token_chunk(ev)?;
+        let mut h = ppd_core::identity::ContentHasher::new();
+        h.update(&crate::answer::string_at(content)?);
+        Some((EventKind::Data { usage: None }, h.digest(), false))
+    }
+
+    fn vllm_token(id: &str, model: &str, text: &str) -> Vec<u8> {
+        let q = |s: &str| serde_json::to_string(s).unwrap();
+        format!(
+            "data: {{\"id\":{},\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":{},\"choices\":[{{\"index\":0,\"delta\":{{\"content\":{}}},\"logprobs\":null,\"finish_reason\":null}}]}}\n\n",
+            q(id),
+            q(model),
+            q(text)
+        )
+        .into_bytes()
+    }
+
+    #[test]
+    fn a_vllm_token_chunk_takes_the_fast_path_and_other_events_do_not() {
+        let ev = vllm_token("chatcmpl-1", "m", "a \"usage\" é\n");
+        assert_eq!(read_fast(&ev), Some(read_in_full(&ev)));
+        for other in [
+            &b"data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n"[..],
+            b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"x\"}}],\"usage\":{\"prompt_tokens\":1}}\n\n",
+            b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"x\"}}],\"kv_transfer_params\":{}}\n\n",
+            b"data: {\"error\":{},\"choices\":[{\"index\":0,\"delta\":{\"content\":\"x\"}}]}\n\n",
+            b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3}}\n\n",
+            b"data: [DONE]\n\n",
+            b": keep-alive\n\n",
+        ] {
+            assert_eq!(token_chunk(other), None, "{}", String::from_utf8_lossy(other));
+        }
+    }
+
+    fn json_piece() -> impl proptest::strategy::Strategy<Value = &'static str> {
+        proptest::sample::select(vec![
+            "{",
+            "}",
+            "[",
+            "]",
+            ",",
+            ":",
+            " ",
+            "\"choices\"",
+            "\"choices\":[{\"index\":0,\"delta\":{\"content\":",
+            "\"usage\"",
+            "\"error\"",
+            "\"kv_transfer_params\"",
+            "\"x\"",
+            "\"a\\\"usage\\\"b\"",
+            "\"\\u00e9\"",
+            "1",
+            "null",
+            "é",
+        ])
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2000))]
+        #[test]
+        fn any_token_chunk_reads_as_the_general_path_reads_it(
+            id in ".{0,12}",
+            model in ".{0,12}",
+            text in ".{0,40}",
+        ) {
+            let ev = vllm_token(&id, &model, &text);
+            proptest::prop_assert_eq!(read_fast(&ev), Some(read_in_full(&ev)));
+        }
+
+        #[test]
+        fn whatever_the_fast_path_takes_the_general_path_reads_alike(
+            parts in proptest::collection::vec(json_piece(), 0..16),
+            text in ".{0,8}",
+        ) {
+            let mut line = parts.concat();
+            line.push_str(&serde_json::to_string(&text).unwrap());
+            let ev = format!("data: {{{line}\n\n").into_bytes();
+            if let Some(fast) = read_fast(&ev) {
+                proptest::prop_assert_eq!(fast, read_in_full(&ev));
+            }
         }
     }
 }
