@@ -142,6 +142,14 @@ pub struct Harness {
     /// full prefill on P and a push to a D chosen afresh, even on a pD deployment.
     #[serde(default)]
     pub new_conversation_share: f64,
+    /// Whether nodes are chosen as the measured proxy chose them: a new
+    /// conversation's P, D (or pD) and R each by Python's `hash()` of its key
+    /// modulo the node count — random per proxy process, so a uniform draw
+    /// per conversation — and kept for its later turns. Otherwise the
+    /// simulated router's own choice: round-robin over P per request and
+    /// over D and R per conversation.
+    #[serde(default)]
+    pub hashed_placement: bool,
 }
 
 fn yes() -> bool {
@@ -154,6 +162,7 @@ impl Default for Harness {
             max_conversations: 0,
             answer_prefix_hit: true,
             new_conversation_share: 0.0,
+            hashed_placement: false,
         }
     }
 }

@@ -208,6 +208,11 @@ fn placeholder_table() -> Result<Table, Error> {
     Ok(Table::from_json(doc, "<placeholder>")?)
 }
 
+/// Keep the measured proxy's P, D and R draws of one key apart.
+const SALT_P: u64 = 0x5041_5254;
+const SALT_D: u64 = 0x4445_434F;
+const SALT_R: u64 = 0x5245_504C;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Stage {
     /// On P, prefilling for the D that will pull (node, of the final stage).
@@ -402,6 +407,12 @@ impl<'a> Sim<'a> {
         n
     }
 
+    /// The node of `list` that the measured proxy's hash of `key` picks
+    /// (`Harness::hashed_placement`; `salt` keeps the P, D and R draws apart).
+    fn hashed(list: &[usize], key: u64, salt: u64) -> usize {
+        list[(mix64(key ^ salt) % list.len() as u64) as usize]
+    }
+
     fn hop(&self) -> f64 {
         self.p.api.router_hop_ms
     }
@@ -551,6 +562,9 @@ impl<'a> Sim<'a> {
                 let c = &mut self.convs[conv as usize];
                 let node = match (c.on_replica, c.d) {
                     (true, Some(r)) => r,
+                    _ if self.p.harness.hashed_placement => {
+                        Self::hashed(&self.rs, input.conv_hash, SALT_R)
+                    }
                     _ => Self::pick(&self.rs, &mut self.replicas[r].rr_r),
                 };
                 let c = &mut self.convs[conv as usize];
@@ -574,10 +588,14 @@ impl<'a> Sim<'a> {
                         self.cfg.deployment
                     )));
                 }
-                let p = Self::pick(&self.ps, &mut self.replicas[r].rr_p);
+                let p = if self.p.harness.hashed_placement {
+                    Self::hashed(&self.ps, input.conv_hash, SALT_P)
+                } else {
+                    Self::pick(&self.ps, &mut self.replicas[r].rr_p)
+                };
                 let d = match self.convs[conv as usize].d {
                     Some(d) if !self.convs[conv as usize].on_replica => d,
-                    _ => self.place_new(conv, r),
+                    _ => self.place_new(conv, r, input.conv_hash),
                 };
                 self.convs[conv as usize].d = Some(d);
                 self.count_in(conv, d);
@@ -626,9 +644,12 @@ impl<'a> Sim<'a> {
     /// one router, as the committed results were simulated; with several,
     /// the live router's bounded-load rendezvous on the conversation's
     /// stable key (`ConversationId::placement_key`), over the deciding
-    /// replica's view of load.
-    fn place_new(&mut self, conv: u32, r: usize) -> usize {
-        let d = if self.cfg.routers <= 1 {
+    /// replica's view of load; as the measured proxy drew it (by the key it
+    /// saw, `proxy_key`) with `Harness::hashed_placement`.
+    fn place_new(&mut self, conv: u32, r: usize, proxy_key: u64) -> usize {
+        let d = if self.p.harness.hashed_placement {
+            Self::hashed(&self.ds, proxy_key, SALT_D)
+        } else if self.cfg.routers <= 1 {
             Self::pick(&self.ds, &mut self.replicas[r].rr_d)
         } else {
             let key = self.convs[conv as usize].key;

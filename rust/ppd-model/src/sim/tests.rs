@@ -485,3 +485,30 @@ fn replicas_look_the_table_up_at_the_fleets_rate_not_at_their_share_of_it() {
     assert!(one < 0.1, "{one}");
     assert!(four < 0.1, "{four}");
 }
+
+#[test]
+fn the_measured_proxys_hashed_placement_is_sticky_but_uneven() {
+    let c = SimConfig {
+        duration_s: 20.0,
+        ..SimConfig::new("2P6pD", "local", "small_mid_bal", 12.0)
+    };
+    let mut p = profile();
+    let rr = simulate(&c, &p, None).unwrap();
+    p.harness.hashed_placement = true;
+    let hashed = simulate(&c, &p, None).unwrap();
+    for r in [&rr, &hashed] {
+        assert_eq!(r.turn2_on_own_d, 1.0);
+        assert_eq!(r.local_share, 1.0);
+    }
+    // Round-robin deals conversations out evenly; a draw per conversation does not.
+    assert!(
+        rr.placement_max_over_mean < 1.02,
+        "{}",
+        rr.placement_max_over_mean
+    );
+    assert!(
+        hashed.placement_max_over_mean > 1.05,
+        "{}",
+        hashed.placement_max_over_mean
+    );
+}
