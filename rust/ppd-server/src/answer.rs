@@ -96,17 +96,13 @@ pub(crate) fn feed_event(event: &[u8], into: &mut ContentHasher) {
 /// every answer. `None` (the event is parsed) for any other shape.
 fn token_text(event: &[u8]) -> Option<Cow<'_, str>> {
     use memchr::memmem::Finder;
+    use serde::Deserialize as _;
     use std::sync::LazyLock;
     static PREFIX: LazyLock<Finder<'static>> =
         LazyLock::new(|| Finder::new(b"\"choices\":[{\"index\":0,\"delta\":{\"content\":"));
     let data = crate::sse::single_data_line(event)?;
     let at = PREFIX.find(data)? + PREFIX.needle().len();
-    string_at(&data[at..])
-}
-
-/// The JSON string that `json` starts with (what may follow is not read).
-pub(crate) fn string_at(json: &[u8]) -> Option<Cow<'_, str>> {
-    use serde::Deserialize as _;
+    let json = &data[at..];
     // Borrowed unless the text has escapes (serde's `Cow` would always copy).
     let borrowed = <&str>::deserialize(&mut serde_json::Deserializer::from_slice(json));
     match borrowed {

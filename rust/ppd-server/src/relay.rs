@@ -189,20 +189,6 @@ impl Relay {
             ..
         } = self;
         splitter.take_events(|ev| {
-            // Nearly every event: a plain token, told by one pass over it
-            // (what the general reading below would make of it, too).
-            if let Some(content) = crate::sse::token_chunk(ev) {
-                if first_token.is_none() {
-                    *first_token = Some(Instant::now());
-                }
-                if let Some(h) = answer.as_mut() {
-                    match crate::answer::string_at(content) {
-                        Some(text) => h.update(&text),
-                        None => crate::answer::feed_event(ev, h),
-                    }
-                }
-                return Pass::Keep;
-            }
             match classify(ev) {
                 EventKind::UsageOnly(u) => {
                     *usage = Some(u);
