@@ -96,6 +96,11 @@ impl BlockPool {
         self.cached.len()
     }
 
+    /// Whether the prefix cache holds `hash`.
+    pub fn is_cached(&self, hash: u64) -> bool {
+        self.cached.contains_key(&hash)
+    }
+
     /// Number of leading `hashes` present in the cache (no side effects).
     pub fn match_prefix(&self, hashes: &[u64]) -> usize {
         hashes

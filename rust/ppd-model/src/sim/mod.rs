@@ -714,6 +714,20 @@ impl<'a> Sim<'a> {
         None
     }
 
+    /// Starts fetching the state of the node likely to step after the one at
+    /// the agenda's top (a child of the top: the second-earliest entry, if not
+    /// stale), so that its cache misses overlap this step's work.
+    fn prefetch_runner_up(&self) {
+        let heap = self.agenda.as_slice();
+        let next = match (heap.get(1), heap.get(2)) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
+        if let Some(&Reverse((_, n))) = next {
+            self.nodes[n].prefetch();
+        }
+    }
+
     fn start_conversation(&mut self, t: f64, conv: u32) -> Result<(), Error> {
         self.in_flight += 1;
         self.send(t, conv)
@@ -963,6 +977,7 @@ impl<'a> Sim<'a> {
                     self.handle_ext(t, e)?;
                 }
                 _ if ni != usize::MAX => {
+                    self.prefetch_runner_up();
                     self.nodes[ni].advance(tn, &mut ev);
                     self.touch(ni);
                     self.handle_events(ni, &mut ev)?;
