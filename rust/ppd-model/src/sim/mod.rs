@@ -689,8 +689,17 @@ impl<'a> Sim<'a> {
             .next_event_time()
             .map_or(u64::MAX, time_key);
         if key != self.on_agenda[node] {
-            self.on_agenda[node] = key;
+            let old = std::mem::replace(&mut self.on_agenda[node], key);
+            // Most often the node stepped from the agenda's top: its entry moves
+            // down in place (one sift) rather than a new entry going in and the
+            // stale one coming out later (two). The valid entries are the same.
             if key != u64::MAX {
+                if let Some(mut top) = self.agenda.peek_mut() {
+                    if top.0 == (old, node) {
+                        *top = Reverse((key, node));
+                        return;
+                    }
+                }
                 self.agenda.push(Reverse((key, node)));
             }
             // Entries a node left behind far ahead (an idle P's lease expiry
