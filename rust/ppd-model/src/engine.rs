@@ -167,27 +167,41 @@ pub enum SubmitError {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
+    /// The slot holds no request.
+    Free,
     Waiting,
     WaitingRemote,
     Running,
 }
 
-/// A request in the engine. Every step reads and writes the fields up to
-/// `blocks`, so they come first (`repr(C)` keeps the order) and a slot starts
-/// on a cache line: one line per sequence per step, which is what a
-/// thousand-node simulation, whose nodes' state cannot stay cached between
-/// their steps, pays for.
-#[derive(Debug)]
-#[repr(C)]
-struct Seq {
-    id: u64,
+/// What every step reads and writes of a request, in an array of its own
+/// (`Engine::hot`, by slot): a thousand-node simulation's nodes cannot keep
+/// their state cached between their steps, and 28 bytes per sequence side by
+/// side cost a step far fewer cache misses than the whole request would.
+#[derive(Debug, Clone, Copy)]
+struct Hot {
     prompt_len: u32,
     max_out: u32,
     computed: u32,
     out: u32,
+    /// Leading blocks registered in the prefix cache.
     committed: u32,
+    /// `Seq::blocks.len()`, kept beside the counters it is compared with.
+    n_blocks: u32,
     kind: Kind,
     state: State,
+}
+
+impl Hot {
+    fn num_tokens(&self) -> u32 {
+        self.prompt_len + self.out
+    }
+}
+
+/// The rest of a request: what only admission, a block boundary or the end touches.
+#[derive(Debug)]
+struct Seq {
+    id: u64,
     first_scheduled: bool,
     blocks: Vec<u32>,
     hashes: Vec<u64>,
@@ -200,14 +214,21 @@ struct Seq {
 }
 
 impl Seq {
-    fn num_tokens(&self) -> u32 {
-        self.prompt_len + self.out
+    /// Adds blocks, keeping `hot.n_blocks` in step.
+    fn add_blocks(&mut self, hot: &mut Hot, ids: &[u32]) {
+        self.blocks.extend_from_slice(ids);
+        hot.n_blocks = self.blocks.len() as u32;
     }
     /// Hashes of the first `n` blocks, computing any not yet known.
     fn ensure_hashes(&mut self, n: usize, bs: usize) {
         while self.hashes.len() < n {
             let j = self.hashes.len();
-            let parent = if j == 0 { 0 } else { self.hashes[j - 1] };
+            // Only explicit tokens chain on the parent: a synthetic block's hash
+            // reads nothing back (a cache miss per block boundary at 1,000 nodes).
+            let parent = match (&self.content, j) {
+                (Content::Explicit(_), 1..) => self.hashes[j - 1],
+                _ => 0,
+            };
             let h = self.content.block_hash(j, parent, bs);
             self.hashes.push(h);
         }
@@ -277,6 +298,8 @@ pub struct Engine {
     link: Link,
     link_next: Option<f64>,
     slots: Vec<Option<Seq>>,
+    /// The per-step fields of the request in each slot (stale in a free slot).
+    hot: Vec<Hot>,
     free_slots: Vec<usize>,
     by_id: AHashMap<u64, usize>,
     running: Vec<usize>,
@@ -291,6 +314,9 @@ pub struct Engine {
     /// The last finished step's item list, reused (a step is scheduled
     /// millions of times in a large simulation).
     spare_items: Vec<(usize, u32)>,
+    /// Scratch for a step's new blocks and its finished slots, reused.
+    spare_alloc: Vec<u32>,
+    spare_finished: Vec<usize>,
     /// KV events not yet taken by the node's publisher (`None`: not published).
     kv_events: Option<Vec<KvEvent>>,
 }
@@ -300,14 +326,15 @@ pub struct Engine {
 /// in the order vLLM's block pool emits them.
 fn commit_full(
     seq: &mut Seq,
+    hot: &mut Hot,
     pool: &mut BlockPool,
     events: &mut Option<Vec<KvEvent>>,
     full: usize,
     bs: usize,
 ) {
     seq.ensure_hashes(full, bs);
-    let from = seq.committed as usize;
-    seq.committed = full as u32;
+    let from = hot.committed as usize;
+    hot.committed = full as u32;
     let Some(events) = events.as_mut() else {
         for j in from..full {
             pool.commit(seq.blocks[j], seq.hashes[j]);
@@ -329,6 +356,24 @@ fn commit_full(
         }
     }
     push_run(events, run, &seq.hashes, bs);
+}
+
+/// Prefetches the cache lines of `len` bytes from `p` (a no-op off x86-64).
+#[inline]
+fn prefetch_bytes(p: *const u8, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    for off in (0..len).step_by(64) {
+        // SAFETY: a prefetch is a hint that never faults, whatever the address;
+        // `_mm_prefetch` is unsafe only for its target feature (SSE, which every
+        // x86-64 has).
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                p.wrapping_add(off).cast(),
+            );
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (p, len);
 }
 
 fn push_run(
@@ -374,6 +419,7 @@ impl Engine {
             link: Link::new(p.link),
             link_next: None,
             slots: Vec::new(),
+            hot: Vec::new(),
             free_slots: Vec::new(),
             by_id: AHashMap::new(),
             running: Vec::new(),
@@ -386,6 +432,8 @@ impl Engine {
             stats: EngineStats::default(),
             scratch: Vec::new(),
             spare_items: Vec::new(),
+            spare_alloc: Vec::new(),
+            spare_finished: Vec::new(),
             kv_events: None,
         }
     }
@@ -431,7 +479,7 @@ impl Engine {
             ..ppd_core::NodeView::default()
         };
         for &slot in &self.running {
-            let seq = self.seq(slot);
+            let seq = &self.hot[slot];
             if seq.computed >= seq.prompt_len {
                 v.running += 1;
                 v.decode_ctx_tokens += u64::from(seq.computed);
@@ -440,7 +488,7 @@ impl Engine {
             }
         }
         for &slot in &self.waiting {
-            let seq = self.seq(slot);
+            let seq = &self.hot[slot];
             v.queued_prefill_tokens += u64::from(seq.prompt_len.saturating_sub(seq.computed));
         }
         v
@@ -452,7 +500,7 @@ impl Engine {
     pub fn mean_out_harmonic(&self) -> Option<f64> {
         let (mut n, mut inv) = (0u32, 0.0f64);
         for &slot in &self.running {
-            let seq = self.seq(slot);
+            let seq = &self.hot[slot];
             if seq.computed >= seq.prompt_len {
                 n += 1;
                 inv += 1.0 / f64::from(seq.max_out.max(1));
@@ -466,12 +514,17 @@ impl Engine {
     pub fn cached_prefix(&self, content: &Content, prompt_len: u32) -> u32 {
         let bs = self.bs as usize;
         let max_hit = (prompt_len.saturating_sub(1) / self.bs) as usize;
-        let mut hashes = Vec::with_capacity(max_hit);
-        for j in 0..max_hit {
-            let parent = if j == 0 { 0 } else { hashes[j - 1] };
-            hashes.push(content.block_hash(j, parent, bs));
+        // Hashed up to the first miss only, and into no list: a router asks this
+        // for every Turn 2+.
+        let (mut hit, mut parent) = (0, 0);
+        while hit < max_hit {
+            let h = content.block_hash(hit, parent, bs);
+            if !self.pool.is_cached(h) {
+                break;
+            }
+            (hit, parent) = (hit + 1, h);
         }
-        self.pool.match_prefix(&hashes) as u32 * self.bs
+        hit as u32 * self.bs
     }
 
     /// Requests in the engine (running, waiting, pulling).
@@ -481,6 +534,19 @@ impl Engine {
 
     pub fn is_idle(&self) -> bool {
         self.by_id.is_empty() && self.holds.is_empty()
+    }
+
+    /// Asks the CPU to start fetching what this engine's next step reads (the
+    /// engine, its per-step fields, its running list and step items) while the
+    /// caller works on something else: a thousand-node simulation finds none of
+    /// it cached. A hint only; nothing is read.
+    pub fn prefetch(&self) {
+        prefetch_bytes(self as *const Engine as *const u8, size_of::<Engine>());
+        prefetch_bytes(self.hot.as_ptr().cast(), size_of_val(&self.hot[..]));
+        prefetch_bytes(self.running.as_ptr().cast(), size_of_val(&self.running[..]));
+        if let Some(step) = &self.step {
+            prefetch_bytes(step.items.as_ptr().cast(), size_of_val(&step.items[..]));
+        }
     }
 
     /// When something next happens without new input: a step ends, a transfer
@@ -542,18 +608,21 @@ impl Engine {
         self.advance(now, ev);
         // Room for every block the request can fill: no regrowth per block.
         let max_blocks = (req.prompt_len.saturating_add(req.max_tokens) / self.bs) as usize + 1;
+        let hot = Hot {
+            prompt_len: req.prompt_len,
+            max_out: req.max_tokens,
+            computed: 0,
+            out: 0,
+            committed: 0,
+            n_blocks: 0,
+            kind: req.kind,
+            state: State::Waiting,
+        };
         let seq = Seq {
             id: req.id,
             content: req.content,
-            prompt_len: req.prompt_len,
-            max_out: req.max_tokens,
-            kind: req.kind,
-            state: State::Waiting,
-            computed: 0,
-            out: 0,
             blocks: Vec::with_capacity(max_blocks),
             hashes: Vec::with_capacity(max_blocks),
-            committed: 0,
             first_scheduled: false,
             usage: Usage {
                 prompt_tokens: req.prompt_len,
@@ -566,10 +635,12 @@ impl Engine {
         let slot = match self.free_slots.pop() {
             Some(s) => {
                 self.slots[s] = Some(seq);
+                self.hot[s] = hot;
                 s
             }
             None => {
                 self.slots.push(Some(seq));
+                self.hot.push(hot);
                 self.slots.len() - 1
             }
         };
@@ -593,8 +664,9 @@ impl Engine {
         }
         self.running.retain(|&x| x != slot);
         self.waiting.retain(|&x| x != slot);
+        let state = self.hot[slot].state;
         let seq = self.take(slot);
-        if seq.state == State::WaitingRemote {
+        if state == State::WaitingRemote {
             self.n_waiting_remote -= 1;
             self.link.cancel(id);
             self.link_next = self.link.next_completion();
@@ -624,6 +696,7 @@ impl Engine {
 
     fn take(&mut self, slot: usize) -> Seq {
         let seq = self.slots[slot].take().expect("slot in use");
+        self.hot[slot].state = State::Free;
         self.by_id.remove(&seq.id);
         self.free_slots.push(slot);
         seq
@@ -689,11 +762,12 @@ impl Engine {
             let Some(seq) = self.slots[slot].as_mut() else {
                 continue;
             };
-            seq.state = State::Waiting;
-            seq.computed = seq.pull_to;
+            let hot = &mut self.hot[slot];
+            hot.state = State::Waiting;
+            hot.computed = seq.pull_to;
             // The pulled blocks join D's prefix cache, as vLLM's NIXL consumer does.
-            let full = (seq.computed / self.bs) as usize;
-            commit_full(seq, &mut self.pool, &mut self.kv_events, full, bs);
+            let full = (hot.computed / self.bs) as usize;
+            commit_full(seq, hot, &mut self.pool, &mut self.kv_events, full, bs);
             self.n_waiting_remote -= 1;
             self.waiting.push_front(slot);
         }
@@ -703,13 +777,6 @@ impl Engine {
 }
 
 impl Engine {
-    fn seq(&self, slot: usize) -> &Seq {
-        self.slots[slot].as_ref().expect("scheduled slot in use")
-    }
-    fn seq_mut(&mut self, slot: usize) -> &mut Seq {
-        self.slots[slot].as_mut().expect("scheduled slot in use")
-    }
-
     /// Counts a request's prompt by source when it is first scheduled.
     fn count_prompt_sources(&mut self, prompt_len: u32, local_hit: u32, external: u32) {
         let s = &mut self.stats;
@@ -725,10 +792,12 @@ impl Engine {
     /// Recompute-preemption, as vLLM V1: blocks freed, progress lost, back to the queue front.
     fn preempt(&mut self, slot: usize) {
         let blocks = {
-            let seq = self.seq_mut(slot);
-            seq.computed = 0;
-            seq.committed = 0;
-            seq.state = State::Waiting;
+            let hot = &mut self.hot[slot];
+            hot.computed = 0;
+            hot.committed = 0;
+            hot.state = State::Waiting;
+            hot.n_blocks = 0;
+            let seq = self.slots[slot].as_mut().expect("scheduled slot in use");
             seq.usage.preemptions += 1;
             std::mem::take(&mut seq.blocks)
         };
@@ -748,15 +817,15 @@ impl Engine {
         let mut shape = BatchShape::default();
         let mut preempted = false;
         let mut i = 0;
-        let mut alloc = Vec::new();
+        let mut alloc = std::mem::take(&mut self.spare_alloc);
         while i < self.running.len() && budget > 0 {
             let slot = self.running[i];
             let (n, need) = {
-                let seq = self.seq(slot);
+                let seq = &self.hot[slot];
                 let n = (seq.num_tokens() - seq.computed).min(budget);
                 let need = self
                     .blocks_for(seq.computed + n)
-                    .saturating_sub(seq.blocks.len());
+                    .saturating_sub(seq.n_blocks as usize);
                 (n, need)
             };
             let mut self_preempted = false;
@@ -774,11 +843,16 @@ impl Engine {
             if self_preempted {
                 break;
             }
-            alloc.clear();
-            let ok = self.pool.allocate(need as u32, &mut alloc);
-            debug_assert!(ok);
-            let seq = self.slots[slot].as_mut().expect("running slot");
-            seq.blocks.extend_from_slice(&alloc);
+            let hot = &mut self.hot[slot];
+            if need > 0 {
+                // Only a block boundary reaches past the per-step fields.
+                alloc.clear();
+                let ok = self.pool.allocate(need as u32, &mut alloc);
+                debug_assert!(ok);
+                let seq = self.slots[slot].as_mut().expect("running slot");
+                seq.add_blocks(hot, &alloc);
+            }
+            let seq = &*hot;
             if n > 1 || seq.computed < seq.prompt_len {
                 shape.add_prefill(seq.computed, n);
             } else {
@@ -794,24 +868,25 @@ impl Engine {
                 break;
             };
             let bsz = bs as usize;
-            let fresh = self.seq(slot).blocks.is_empty() && self.seq(slot).computed == 0;
+            let fresh = self.hot[slot].n_blocks == 0 && self.hot[slot].computed == 0;
             if fresh {
                 let (hit_blocks, num_tokens, kind, first, remote_prefix) = {
+                    let hot = &self.hot[slot];
                     let seq = self.slots[slot].as_mut().expect("waiting slot");
-                    let max_hit = ((seq.num_tokens() - 1) / bs) as usize;
+                    let max_hit = ((hot.num_tokens() - 1) / bs) as usize;
                     seq.ensure_hashes(max_hit, bsz);
                     let hit = self.pool.match_prefix(&seq.hashes[..max_hit]);
                     let remote = seq.remote_prefix;
                     (
                         hit,
-                        seq.num_tokens(),
-                        seq.kind,
+                        hot.num_tokens(),
+                        hot.kind,
                         !seq.first_scheduled,
                         remote,
                     )
                 };
                 let hit_tokens = hit_blocks as u32 * bs;
-                let last_prompt = self.seq(slot).prompt_len - 1;
+                let last_prompt = self.hot[slot].prompt_len - 1;
                 // Pulled: the whole prompt but its last token (D of a pd turn),
                 // or the remote's share of it (P reading D's conversation KV).
                 let pull_to = match kind {
@@ -822,7 +897,7 @@ impl Engine {
                 let external = pull_to.saturating_sub(hit_tokens);
                 // P2pNccl-style connectors resend the whole prompt; NIXL pulls the rest only.
                 let pull = if kind == Kind::RemotePrefill && first && self.full_transfer {
-                    self.seq(slot).prompt_len - 1
+                    self.hot[slot].prompt_len - 1
                 } else {
                     external
                 };
@@ -833,19 +908,20 @@ impl Engine {
                     }
                     alloc.clear();
                     let seq = self.slots[slot].as_mut().expect("waiting slot");
+                    let hot = &mut self.hot[slot];
                     self.pool
                         .take_cached(&seq.hashes[..hit_blocks], &mut seq.blocks);
                     self.pool.allocate(need as u32, &mut alloc);
-                    seq.blocks.extend_from_slice(&alloc);
-                    seq.committed = hit_blocks as u32;
-                    seq.computed = hit_tokens;
+                    seq.add_blocks(hot, &alloc);
+                    hot.committed = hit_blocks as u32;
+                    hot.computed = hit_tokens;
                     seq.first_scheduled = true;
-                    seq.state = State::WaitingRemote;
+                    hot.state = State::WaitingRemote;
                     seq.pull_to = pull_to;
                     seq.usage.cached_tokens = hit_tokens + external;
                     seq.usage.external_tokens = pull;
                     let id = seq.id;
-                    let prompt_len = seq.prompt_len;
+                    let prompt_len = hot.prompt_len;
                     self.count_prompt_sources(prompt_len, hit_tokens, external);
                     self.pool.stats.queries += num_tokens as u64;
                     self.pool.stats.hits += hit_tokens as u64;
@@ -867,13 +943,14 @@ impl Engine {
                 }
                 alloc.clear();
                 let seq = self.slots[slot].as_mut().expect("waiting slot");
+                let hot = &mut self.hot[slot];
                 self.pool
                     .take_cached(&seq.hashes[..hit_blocks], &mut seq.blocks);
                 self.pool.allocate(need as u32, &mut alloc);
-                seq.blocks.extend_from_slice(&alloc);
-                seq.committed = hit_blocks as u32;
-                seq.computed = hit_tokens;
-                let prompt_len = seq.prompt_len;
+                seq.add_blocks(hot, &alloc);
+                hot.committed = hit_blocks as u32;
+                hot.computed = hit_tokens;
+                let prompt_len = hot.prompt_len;
                 if first {
                     seq.usage.cached_tokens = hit_tokens;
                 }
@@ -890,12 +967,12 @@ impl Engine {
             } else {
                 // Back from a KV pull: its blocks are in place, the last prompt token remains.
                 let (n, need) = {
-                    let seq = self.seq(slot);
+                    let seq = &self.hot[slot];
                     let n = (seq.num_tokens() - seq.computed).min(budget);
                     (
                         n,
                         self.blocks_for(seq.computed + n)
-                            .saturating_sub(seq.blocks.len()),
+                            .saturating_sub(seq.n_blocks as usize),
                     )
                 };
                 if need as u32 > self.pool.num_free() {
@@ -904,19 +981,21 @@ impl Engine {
                 alloc.clear();
                 self.pool.allocate(need as u32, &mut alloc);
                 let seq = self.slots[slot].as_mut().expect("waiting slot");
-                seq.blocks.extend_from_slice(&alloc);
+                let hot = &mut self.hot[slot];
+                seq.add_blocks(hot, &alloc);
                 if !seq.first_scheduled {
-                    self.stats.prompt_tokens += seq.prompt_len as u64;
+                    self.stats.prompt_tokens += hot.prompt_len as u64;
                 }
                 seq.first_scheduled = true;
-                shape.add_prefill(seq.computed, n);
+                shape.add_prefill(hot.computed, n);
                 items.push((slot, n));
                 budget -= n;
             }
             self.waiting.pop_front();
-            self.seq_mut(slot).state = State::Running;
+            self.hot[slot].state = State::Running;
             self.running.push(slot);
         }
+        self.spare_alloc = alloc;
         if items.is_empty() {
             self.spare_items = items;
             return;
@@ -926,7 +1005,7 @@ impl Engine {
             // A RemoteDecode prefill that completes its prompt in this step pushes
             // the prompt's KV to D before the step ends (P2pNccl's wait for sends).
             for &(slot, n) in &items {
-                let seq = self.seq(slot);
+                let seq = &self.hot[slot];
                 if seq.kind == Kind::RemoteDecode
                     && seq.computed < seq.prompt_len
                     && seq.computed + n >= seq.prompt_len
@@ -943,51 +1022,62 @@ impl Engine {
     fn finish_step(&mut self, t: f64, ev: &mut Vec<Event>) {
         let Some(step) = self.step.take() else { return };
         let bs = self.bs;
-        let mut finished: Vec<usize> = Vec::new();
+        let mut finished = std::mem::take(&mut self.spare_finished);
+        finished.clear();
         for &(slot, n) in &step.items {
-            let Some(seq) = self.slots[slot].as_mut() else {
-                continue;
-            };
-            if seq.state != State::Running {
+            // A free slot reads `Free`: never in a step's items, but checked as before.
+            let hot = &mut self.hot[slot];
+            if hot.state != State::Running {
                 continue;
             }
-            seq.computed += n;
-            let full = ((seq.computed / bs) as usize).min(seq.blocks.len());
+            hot.computed += n;
+            let full = ((hot.computed / bs) as usize).min(hot.n_blocks as usize);
             // Nothing to register (most decode steps): skip the call, unless
             // a publisher waits for the evictions it flushes.
-            if full != seq.committed as usize || self.kv_events.is_some() {
-                commit_full(seq, &mut self.pool, &mut self.kv_events, full, bs as usize);
+            if full != hot.committed as usize || self.kv_events.is_some() {
+                let seq = self.slots[slot].as_mut().expect("running slot");
+                commit_full(
+                    seq,
+                    hot,
+                    &mut self.pool,
+                    &mut self.kv_events,
+                    full,
+                    bs as usize,
+                );
             }
-            if seq.computed == seq.num_tokens() {
-                let index = seq.out;
-                seq.out += 1;
+            if hot.computed == hot.num_tokens() {
+                let index = hot.out;
+                hot.out += 1;
                 self.stats.generation_tokens += 1;
                 if index == 0 || self.emit_tokens {
+                    let seq = self.slots[slot].as_ref().expect("running slot");
                     ev.push(Event::Token {
                         id: seq.id,
                         index,
                         t,
                     });
                 }
-                if seq.out >= seq.max_out {
+                if hot.out >= hot.max_out {
                     finished.push(slot);
                 }
             }
         }
         self.spare_items = step.items;
         if finished.is_empty() {
+            self.spare_finished = finished;
             return;
         }
         self.running.retain(|s| !finished.contains(s));
-        for slot in finished {
+        for &slot in &finished {
+            let hot = self.hot[slot];
             let mut seq = self.take(slot);
-            seq.usage.completion_tokens = seq.out;
+            seq.usage.completion_tokens = hot.out;
             self.stats.finished += 1;
             // P holds a prefill for its D; a pinning D holds what it computed
             // (all but the last output token) for a later turn's pull.
-            let kept = match (seq.kind, seq.pin_ms) {
-                (Kind::RemoteDecode, _) => Some((self.lease_ms, seq.prompt_len)),
-                (_, Some(ms)) => Some((ms, seq.num_tokens() - 1)),
+            let kept = match (hot.kind, seq.pin_ms) {
+                (Kind::RemoteDecode, _) => Some((self.lease_ms, hot.prompt_len)),
+                (_, Some(ms)) => Some((ms, hot.num_tokens() - 1)),
                 _ => None,
             };
             match kept {
@@ -1014,6 +1104,7 @@ impl Engine {
                 usage: seq.usage,
             });
         }
+        self.spare_finished = finished;
     }
 }
 

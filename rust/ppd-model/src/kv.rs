@@ -5,6 +5,8 @@
 //! (a prefix-cache hit); allocation takes from the head, evicting the hash of
 //! the least recently freed block. Intrusive list: every operation is O(1).
 
+use std::collections::hash_map::Entry;
+
 use ahash::AHashMap;
 
 const NIL: u32 = u32::MAX;
@@ -96,6 +98,11 @@ impl BlockPool {
         self.cached.len()
     }
 
+    /// Whether the prefix cache holds `hash`.
+    pub fn is_cached(&self, hash: u64) -> bool {
+        self.cached.contains_key(&hash)
+    }
+
     /// Number of leading `hashes` present in the cache (no side effects).
     pub fn match_prefix(&self, hashes: &[u64]) -> usize {
         hashes
@@ -174,10 +181,13 @@ impl BlockPool {
             b.refs = 1;
             if let Some(h) = b.hash.take() {
                 // Another block may have re-registered the same hash since.
-                if self.cached.get(&h) == Some(&id) {
-                    self.cached.remove(&h);
-                    if let Some(e) = self.evicted.as_mut() {
-                        e.push(h);
+                // (One probe: an entry checked and removed in place.)
+                if let Entry::Occupied(e) = self.cached.entry(h) {
+                    if *e.get() == id {
+                        e.remove();
+                        if let Some(e) = self.evicted.as_mut() {
+                            e.push(h);
+                        }
                     }
                 }
                 self.stats.evictions += 1;
@@ -229,7 +239,7 @@ impl BlockPool {
         if b.hash.is_some() {
             return false;
         }
-        if let std::collections::hash_map::Entry::Vacant(e) = self.cached.entry(hash) {
+        if let Entry::Vacant(e) = self.cached.entry(hash) {
             e.insert(id);
             b.hash = Some(hash);
             return true;

@@ -713,8 +713,17 @@ impl<'a> Sim<'a> {
             .next_event_time()
             .map_or(u64::MAX, time_key);
         if key != self.on_agenda[node] {
-            self.on_agenda[node] = key;
+            let old = std::mem::replace(&mut self.on_agenda[node], key);
+            // Most often the node stepped from the agenda's top: its entry moves
+            // down in place (one sift) rather than a new entry going in and the
+            // stale one coming out later (two). The valid entries are the same.
             if key != u64::MAX {
+                if let Some(mut top) = self.agenda.peek_mut() {
+                    if top.0 == (old, node) {
+                        *top = Reverse((key, node));
+                        return;
+                    }
+                }
                 self.agenda.push(Reverse((key, node)));
             }
             // Entries a node left behind far ahead (an idle P's lease expiry
@@ -736,6 +745,20 @@ impl<'a> Sim<'a> {
             self.agenda.pop();
         }
         None
+    }
+
+    /// Starts fetching the state of the node likely to step after the one at
+    /// the agenda's top (a child of the top: the second-earliest entry, if not
+    /// stale), so that its cache misses overlap this step's work.
+    fn prefetch_runner_up(&self) {
+        let heap = self.agenda.as_slice();
+        let next = match (heap.get(1), heap.get(2)) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
+        if let Some(&Reverse((_, n))) = next {
+            self.nodes[n].prefetch();
+        }
     }
 
     fn start_conversation(&mut self, t: f64, conv: u32) -> Result<(), Error> {
@@ -1002,6 +1025,7 @@ impl<'a> Sim<'a> {
                     self.handle_ext(t, e)?;
                 }
                 _ if ni != usize::MAX => {
+                    self.prefetch_runner_up();
                     self.nodes[ni].advance(tn, &mut ev);
                     self.touch(ni);
                     self.handle_events(ni, &mut ev)?;
