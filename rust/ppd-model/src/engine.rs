@@ -870,15 +870,16 @@ impl Engine {
             let bsz = bs as usize;
             let fresh = self.hot[slot].n_blocks == 0 && self.hot[slot].computed == 0;
             if fresh {
-                let (hit_blocks, num_tokens, kind, first, remote_prefix) = {
+                let (hit_blocks, hit_free, num_tokens, kind, first, remote_prefix) = {
                     let hot = &self.hot[slot];
                     let seq = self.slots[slot].as_mut().expect("waiting slot");
                     let max_hit = ((hot.num_tokens() - 1) / bs) as usize;
                     seq.ensure_hashes(max_hit, bsz);
-                    let hit = self.pool.match_prefix(&seq.hashes[..max_hit]);
+                    let (hit, hit_free) = self.pool.match_prefix_free(&seq.hashes[..max_hit]);
                     let remote = seq.remote_prefix;
                     (
                         hit,
+                        hit_free,
                         hot.num_tokens(),
                         hot.kind,
                         !seq.first_scheduled,
@@ -903,7 +904,8 @@ impl Engine {
                 };
                 if pull > 0 {
                     let need = self.blocks_for(pull_to) - hit_blocks;
-                    if need as u32 > self.pool.num_free() {
+                    // The cached blocks it takes out of the free list count too.
+                    if need as u32 + hit_free > self.pool.num_free() {
                         break;
                     }
                     alloc.clear();
@@ -938,7 +940,7 @@ impl Engine {
                 }
                 let n = (num_tokens - hit_tokens).min(budget);
                 let need = self.blocks_for(hit_tokens + n) - hit_blocks;
-                if need as u32 > self.pool.num_free() {
+                if need as u32 + hit_free > self.pool.num_free() {
                     break;
                 }
                 alloc.clear();

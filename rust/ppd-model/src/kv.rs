@@ -111,6 +111,20 @@ impl BlockPool {
             .count()
     }
 
+    /// [`match_prefix`](Self::match_prefix), and how many of those blocks
+    /// sit unreferenced in the free list: taking them leaves that many fewer
+    /// free blocks for the rest of the request, so admission counts them as
+    /// vLLM's KV manager does.
+    pub fn match_prefix_free(&self, hashes: &[u64]) -> (usize, u32) {
+        let mut free = 0;
+        let n = hashes
+            .iter()
+            .map_while(|h| self.cached.get(h))
+            .inspect(|&&id| free += u32::from(self.blocks[id as usize].refs == 0))
+            .count();
+        (n, free)
+    }
+
     /// Takes a reference on the cached blocks of `hashes[..n]` and returns their ids.
     /// `n` must come from [`match_prefix`](Self::match_prefix) in the same step.
     pub fn take_cached(&mut self, hashes: &[u64], out: &mut Vec<u32>) {

@@ -512,3 +512,27 @@ fn the_measured_proxys_hashed_placement_is_sticky_but_uneven() {
         hashed.placement_max_over_mean
     );
 }
+
+#[test]
+fn kv_pulls_into_a_nearly_full_pool_wait_for_their_blocks() {
+    // A small pool: a pull's cached blocks leave the free list as it is
+    // admitted, so admission counts them (a pull once started short of
+    // blocks and its commit ran past them).
+    let mut p = crate::load_profile("default").unwrap();
+    p.kv_blocks = 1500;
+    p.max_num_seqs = 64;
+    for (dep, wl) in [
+        ("2P2pD", "large_huge_paste"),
+        ("3P1pD", "large_big_paste"),
+        ("3P1pD", "small_huge_paste"),
+    ] {
+        let c = SimConfig {
+            duration_s: 20.0,
+            turns: 4,
+            ..SimConfig::new(dep, "ppd-live", wl, 20.0)
+        };
+        let r = simulate(&c, &p, None).unwrap();
+        assert!(r.pull_share > 0.0, "{dep} {wl}: no pull taken");
+        assert!(r.turn2plus.count > 0, "{dep} {wl}");
+    }
+}
