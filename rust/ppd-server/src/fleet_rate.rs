@@ -75,18 +75,19 @@ pub(crate) fn others_in(answer: &[String], me: &str) -> (f64, u32) {
         .fold((0.0, 0), |(sum, n), r| (sum + r, n + 1))
 }
 
-/// Reports `own` as replica `me`'s rate and takes in the others'.
+/// Reports `own` as replica `me`'s rate and takes in the others'. `keys`
+/// are the store's rate hash and its last-seen hash (shared.rs names them).
 pub(crate) async fn report(
     conn: &mut redis::aio::MultiplexedConnection,
     script: &redis::Script,
-    keys: &crate::shared::Keys,
+    (rate, rate_seen): (&str, &str),
     me: &str,
     own: f64,
     fleet: &FleetRate,
 ) -> Result<(), String> {
     let answer: Vec<String> = script
-        .key(&keys.rate)
-        .key(&keys.rate_seen)
+        .key(rate)
+        .key(rate_seen)
         .arg(me)
         .arg(format!("{own:.6}"))
         .arg(FORGET_AFTER.as_millis() as u64)

@@ -190,7 +190,9 @@ async fn connected(
             _ = ping.tick() => {
                 // The rate report is the liveness check too: it fails as a ping would.
                 let own = st.qps.lock().rate(st.now_ms());
-                crate::fleet_rate::report(&mut conn, &report, &shared.keys, &shared.replica, own, &shared.fleet).await?;
+                let keys = (shared.keys.rate.as_str(), shared.keys.rate_seen.as_str());
+                crate::fleet_rate::report(&mut conn, &report, keys, &shared.replica, own, &shared.fleet)
+                    .await?;
             }
         }
     }
