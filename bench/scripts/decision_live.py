@@ -316,9 +316,13 @@ def compare_point(lv: dict[str, float], sv: dict[str, float], name: str) -> dict
 
     # The same best: one side's winner is within tolerance of the best on the other side.
     best_same = near(lv, best(sv)) or near(sv, best(lv))
+
+    def label(v: dict[str, float]) -> str:
+        return "all ≈" if all(near(v, p) for p in arms) else best(v)
+
     return {
         "arms": len(arms), "pairs": pairs, "agree": agree, "sim_ordered": sim_ordered, "same": same, "tied": tied,
-        "flips": flips, "best_agrees": best_same, "sim_best": best(sv), "live_best": best(lv),
+        "flips": flips, "best_agrees": best_same, "sim_best": label(sv), "live_best": label(lv),
         "tau": kendall_tau_b([lv[a] for a in arms], [sv[a] for a in arms]),
         "sim_order": order({a: sv[a] for a in arms}, name), "live_order": order({a: lv[a] for a in arms}, name),
     }
@@ -391,6 +395,15 @@ def compare(live_path: Path, sim_path: Path) -> str:
         share = f"{100 * agree / max(1, pairs):.0f} %"
         out.append(f"| {METRICS[n][0]} | {len(c)} | {best}/{len(c)} | {agree}/{pairs} ({share}) "
                    f"| {so}: {same} / {tied} / {so - same - tied} | {tau} |")
+    out += ["", "## Per point: best policy simulator / live (✓ the same within tolerance), pairs agreeing", "",
+            "| point | " + " | ".join(METRICS[n][0] for n in METRICS) + " |", "|---|" + "---|" * len(METRICS)]
+    for k in keys:
+        cells = []
+        for n in METRICS:
+            r = next((r for kk, r in per[n] if kk == k), None)
+            mark = "✓" if r is not None and r["best_agrees"] else "✗"
+            cells.append("–" if r is None else f"{r['sim_best']} / {r['live_best']} {mark}, {r['agree']}/{r['pairs']}")
+        out.append(f"| {k[0]} {k[1]} {k[2]:g} | " + " | ".join(cells) + " |")
     out += ["", "## Orders per point (best first; `≈` within tolerance)", "",
             "| point | metric | simulator | live | pairs agreeing | flipped pairs |", "|---|---|---|---|---:|---|"]
     for n, rows in per.items():
