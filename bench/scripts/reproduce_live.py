@@ -12,15 +12,17 @@ output file are skipped.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any, Optional
 
 RUNS = [  # (layout, policy, label config in the paper's notation)
     ("1P3pD", "pd", "1P_3pD"), ("1P3pD", "local", "1P_3pD"), ("1P3pD", "ppd", "1P_3pD"),
@@ -45,6 +47,49 @@ def wait_health(url: str, proc: subprocess.Popen, limit: float = 60.0) -> None:
             pass
         time.sleep(0.3)
     raise RuntimeError("router not healthy within 60 s")
+
+
+@contextlib.contextmanager
+def router(cmd: list[str], url: str) -> Iterator[subprocess.Popen]:
+    """A `ppd-router serve` process, healthy on entry and stopped on exit, also on errors and Ctrl-C.
+
+    Its stderr goes to a temporary file (a pipe nobody reads could fill and stall it) and is
+    printed when the router does not come up.
+    """
+    with tempfile.TemporaryFile() as log:
+        server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+        try:
+            try:
+                wait_health(url, server)
+            except RuntimeError:
+                log.seek(0)
+                print(log.read().decode(errors="replace")[-2000:], file=sys.stderr)
+                raise
+            yield server
+        finally:
+            server.send_signal(signal.SIGINT)
+            try:
+                server.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+
+
+def bench_point(url: str, workload: str, qps: float, duration: float,
+                extra: Sequence[str] = ()) -> tuple[Optional[dict[str, Any]], float, str]:
+    """One `ppd-router bench` point (30 s timeout, seed 0): its --out JSON (None when it failed),
+    its wall time and its stderr."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "r.json"
+        t0 = time.time()
+        bench = ["ppd-router", "bench", "--target", url, "--workload", workload,
+                 "--qps", f"{qps:g}", "--duration", f"{duration:g}",
+                 "--timeout", "30", "--seed", "0", "--json", "--out", str(out), *extra]
+        p = subprocess.run(bench, capture_output=True, text=True)
+        wall = time.time() - t0
+        if p.returncode != 0:
+            return None, wall, p.stderr.strip()
+        return json.loads(out.read_text()), wall, p.stderr.strip()
 
 
 def main() -> int:
@@ -78,23 +123,12 @@ def main() -> int:
                "--port", str(args.port)]
         if policy == "ppd":
             cmd += ["--table", TABLES[layout], "--w-ttft", "1", "--w-tpot", "1"]
-        server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        try:
-            wait_health(url, server)
+        with router(cmd, url):
             for wl, q in todo:
-                with tempfile.TemporaryDirectory() as tmp:
-                    out = Path(tmp) / "r.json"
-                    t0 = time.time()
-                    bench = ["ppd-router", "bench", "--target", url, "--workload", wl,
-                             "--qps", f"{q:g}", "--duration", f"{args.duration:g}",
-                             "--timeout", "30", "--seed", "0", "--json", "--out", str(out)]
-                    p = subprocess.run(bench, capture_output=True, text=True)
-                    wall = time.time() - t0
-                    if p.returncode != 0:
-                        print(f"{layout} {policy} {wl} qps={q:g}: bench failed: {p.stderr.strip()}",
-                              file=sys.stderr)
-                        continue
-                    r = json.loads(out.read_text())
+                r, wall, err = bench_point(url, wl, q, args.duration)
+                if r is None:
+                    print(f"{layout} {policy} {wl} qps={q:g}: bench failed: {err}", file=sys.stderr)
+                    continue
                 r["meta"] = {"deployment": label, "layout": layout, "policy": policy,
                              "workload": wl, "qps": q, "duration_s": args.duration,
                              "timeout_s": 30.0, "w_ttft": 1.0, "w_tpot": 1.0,
@@ -108,13 +142,6 @@ def main() -> int:
                       f"{t2['avg_ttft_ms'] or 0:.0f} ms, T2 TPOT {t2['avg_tpot_ms'] or 0:.2f} ms, "
                       f"T1 TTFT {t1['avg_ttft_ms'] or 0:.0f} ms, local {r['local_share']}",
                       flush=True)
-        finally:
-            server.send_signal(signal.SIGINT)
-            try:
-                server.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
     print(f"total wall {time.time() - t_all:.0f} s", flush=True)
     return 0
 

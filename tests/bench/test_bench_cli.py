@@ -46,6 +46,8 @@ def _with(**changes: str) -> list[str]:
         (_with(turns="1"), "2..16"),
         (_with(turns="17"), "2..16"),
         (_with(workload="wildchat-like", turns="3"), "--max-turns"),
+        (_with(slo_ttft_ms="150"), "go together"),
+        (_with(slo_tpot_ms="0"), "must be positive"),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_message(argv, message, capsys):

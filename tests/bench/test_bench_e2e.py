@@ -191,6 +191,17 @@ def test_json_mode_prints_only_the_object(result, run):
     assert rc == 0 and err == "" and "turn1" in summary
 
 
+def test_slo_objectives_add_the_attainment_the_simulator_counts(result, run):
+    argv, _, _ = run
+    short = argv[: argv.index("--out")] + ["--duration", "0.3", "--json"]
+    rc, s, _ = _run_quiet(short + ["--slo-ttft-ms", "1e9", "--slo-tpot-ms", "1e9"])
+    assert rc == 0 and s["meta"]["slo"] == {"ttft_ms": 1e9, "tpot_ms": 1e9}
+    sent = s["total_requests"] - s["failures"].get("not_sent", 0)
+    assert s["slo_attainment"] == pytest.approx(s["overall"]["count"] / sent)  # every success meets them
+    rc, s, _ = _run_quiet(short + ["--slo-ttft-ms", str(TTFT_S * 1000 / 2), "--slo-tpot-ms", "1e9"])
+    assert rc == 0 and s["slo_attainment"] == 0.0 and s["slo_attainment_t2"] == 0.0
+
+
 def test_events_whose_data_spans_several_lines_are_read_whole():
     # SSE joins an event's data: lines with newlines; a line-by-line reader saw broken JSON here.
     cfg = StubConfig(ttft_s=0.0, behaviour=lambda body, req: "multiline")

@@ -19,6 +19,7 @@ from ppd_router.bench.metrics import (
     local_share,
     mean,
     percentile,
+    slo_attainment,
     summarize,
     tpot,
     turn_stats,
@@ -144,6 +145,16 @@ def test_summarize_throughput_and_success_rate(records):
     assert s["local_share"] == pytest.approx(2 / 3)
     assert (s["total_requests"], s["failed_requests"]) == (7, 2)
     assert s["turn1"]["count"] == 3 and s["turn2plus"]["count"] == 2
+
+
+def test_slo_attainment_counts_sent_requests_meeting_both_objectives(records):
+    # Sent: 6 (the unsent turn is left out); the 500 misses; TTFT <= 100 ms and TPOT <= 60 ms:
+    # conv 0 turn 2 (40 ms, 50 ms) and conv 1 turn 2 (60 ms, one token: no TPOT) only.
+    assert slo_attainment(records, ttft_ms=100.0, tpot_ms=60.0) == pytest.approx(2 / 6)
+    # A looser TPOT admits the Turn 1s within the TTFT objective: conv 0 turn 1 (100 ms) too.
+    assert slo_attainment(records, ttft_ms=100.0, tpot_ms=100.0) == pytest.approx(3 / 6)
+    assert slo_attainment([r for r in records if r.turn >= 2], ttft_ms=100.0, tpot_ms=60.0) == pytest.approx(2 / 3)
+    assert slo_attainment([_fail(0, 2, NOT_SENT)], ttft_ms=1.0, tpot_ms=1.0) is None
 
 
 def test_summarize_rejects_non_positive_duration(records):

@@ -21,7 +21,7 @@ import orjson
 
 from ppd_router import _core
 from ppd_router.bench.client import BenchConfig, RunState, chat_url, run
-from ppd_router.bench.metrics import SWEEP_COLUMNS, csv_row, percentile
+from ppd_router.bench.metrics import SWEEP_COLUMNS, csv_row, percentile, slo_attainment
 from ppd_router.bench.workloads import (
     ConversationFilter,
     SyntheticWorkload,
@@ -129,6 +129,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="for reports: the router policy behind --target (pd, local, ppd, replica); "
         "written to the JSON's meta object",
     )
+    p.add_argument(
+        "--slo-ttft-ms",
+        type=_positive(float),
+        default=None,
+        help="with --slo-tpot-ms: write the share of requests meeting both objectives (slo_attainment, and "
+        "slo_attainment_t2 for Turn 2+) as the simulator counts it",
+    )
+    p.add_argument("--slo-tpot-ms", type=_positive(float), default=None, help="TPOT objective (with --slo-ttft-ms)")
     p.add_argument("--out", type=Path, default=None, help="write the JSON object here")
     p.add_argument("--csv", type=Path, default=None, help="append one sweep.csv-style row")
     p.add_argument("--json", action="store_true", help="print the JSON object; no progress display")
@@ -259,6 +267,8 @@ def append_csv(path: Path, row: dict[str, Any]) -> None:
 def run_command(args: argparse.Namespace) -> int:
     try:
         chat_url(args.target)
+        if (args.slo_ttft_ms is None) != (args.slo_tpot_ms is None):
+            raise WorkloadError("--slo-ttft-ms and --slo-tpot-ms go together")
         if args.turns is not None and not 2 <= args.turns <= 16:
             raise WorkloadError(f"--turns must be 2..16, got {args.turns}")
         workload = _workload(args)
@@ -313,6 +323,11 @@ def run_command(args: argparse.Namespace) -> int:
         "backend": "live",
         "target": args.target,
     }
+    if args.slo_ttft_ms is not None:
+        slo = {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}
+        summary["meta"]["slo"] = slo
+        summary["slo_attainment"] = slo_attainment(result.records, **slo)
+        summary["slo_attainment_t2"] = slo_attainment((r for r in result.records if r.turn >= 2), **slo)
     if args.out is not None:
         args.out.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2) + b"\n")
     if args.csv is not None:

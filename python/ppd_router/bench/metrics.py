@@ -18,6 +18,9 @@ Definitions (all latencies in milliseconds in the output):
   tokens of successful requests / run duration (the sweep's definitions).
 * local share = Turn 2+ responses whose ``x-ppd-path`` is ``local`` / Turn 2+
   responses that carried the header; None when none did (no router in front).
+* SLO attainment (with SLOs) = requests that succeeded with TTFT and (where
+  defined) TPOT within their objectives / requests sent, as the simulator counts
+  it: turns never sent are left out of both, failed requests miss.
 """
 
 from __future__ import annotations
@@ -160,6 +163,20 @@ def local_share(records: Iterable[RequestRecord]) -> tuple[Optional[float], dict
     paths = Counter(r.path for r in records if r.turn >= 2 and r.path is not None)
     total = sum(paths.values())
     return (paths["local"] / total if total else None), dict(sorted(paths.items()))
+
+
+def slo_attainment(records: Iterable[RequestRecord], ttft_ms: float, tpot_ms: float) -> Optional[float]:
+    """Share of the requests sent that met both objectives; None when none was sent."""
+    sent = [r for r in records if r.reason != NOT_SENT]
+    if not sent:
+        return None
+    met = 0
+    for r in sent:
+        if not r.ok or r.ttft is None or r.ttft * 1000.0 > ttft_ms:
+            continue
+        t = r.tpot
+        met += t is None or t * 1000.0 <= tpot_ms
+    return met / len(sent)
 
 
 def summarize(records: Sequence[RequestRecord], duration_s: float) -> dict[str, Any]:
