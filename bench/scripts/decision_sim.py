@@ -51,7 +51,7 @@ WEIGHTS = ((1.0, 1.0), (1.0, 3.0))
 SLOS = {"tight": {"ttft_ms": 150.0, "tpot_ms": 15.0}, "loose": {"ttft_ms": 1000.0, "tpot_ms": 40.0}}
 
 
-def points(workloads: list[str], profile: Optional[str] = None) -> list[dict[str, Any]]:
+def points(workloads: list[str], profile: Optional[str] = None, whole_answers: bool = False) -> list[dict[str, Any]]:
     out = []
     for wl in workloads:
         for d, table in LAYOUTS.items():
@@ -64,6 +64,7 @@ def points(workloads: list[str], profile: Optional[str] = None) -> list[dict[str
                         "qps": float(q),
                         "table": table,
                         "profile": profile,
+                        "whole_answers": whole_answers,
                     }
                     for w_ttft, w_tpot in WEIGHTS:
                         out.append({**base, "w_ttft": w_ttft, "w_tpot": w_tpot, "slo": None, "setting": f"w{w_tpot:g}"})
@@ -72,7 +73,7 @@ def points(workloads: list[str], profile: Optional[str] = None) -> list[dict[str
     return out
 
 
-KEEP_META = ("setting", "deployment", "policy", "workload", "qps", "w_ttft", "w_tpot", "slo", "profile")
+KEEP_META = ("setting", "deployment", "policy", "workload", "qps", "w_ttft", "w_tpot", "slo", "profile", "whole_answers")
 KEEP = (
     "success_rate",
     "slo_attainment",
@@ -274,6 +275,12 @@ def main() -> int:
         help="engine profile of every node and of ppd-live's cost model (default: the built-in H100 one, "
         "P2pNccl as measured; h100-llama3.1-8b-nixl: the same GPUs as a NIXL deployment)",
     )
+    ap.add_argument(
+        "--whole-answers",
+        action="store_true",
+        help="the clients take whole answers, so a NIXL D's pin is named and later turns can be pulled "
+        "(default: streamed answers, as the paper's client and ppd-router bench ask; vLLM names no pin then)",
+    )
     a = ap.parse_args()
     if a.out:
         if a.workloads == "table3":
@@ -287,7 +294,7 @@ def main() -> int:
                 print(f"sharegpt left out: {e}", file=sys.stderr)
         else:
             wls = a.workloads.split(",")
-        run(points(wls, a.profile), a.out, a.threads)
+        run(points(wls, a.profile, a.whole_answers), a.out, a.threads)
     if a.summary:
         print(summary(a.summary))
     return 0

@@ -86,6 +86,7 @@ def simulate_point(
     slo: Optional[dict[str, float]] = None,
     routers: int = 1,
     view_delay: float = 1.0,
+    whole_answers: bool = False,
 ) -> dict[str, Any]:
     """One simulated point as the ``--json`` object, with a ``meta`` object describing the run.
 
@@ -107,6 +108,7 @@ def simulate_point(
         "w_tpot": w_tpot,
         "routers": routers,
         "view_delay_s": view_delay,
+        "whole_answers": whole_answers,
     }
     if slo is not None:
         cfg["slo"] = slo
@@ -136,6 +138,7 @@ def simulate_point(
         "backend": "simulate",
         "routers": routers,
         "view_delay_s": view_delay,
+        "whole_answers": whole_answers,
         "workload_info": info,
         "slo": slo,
     }
@@ -169,6 +172,7 @@ def result(args: argparse.Namespace) -> dict:
         sharegpt_file=args.sharegpt_file,
         routers=args.routers,
         view_delay=args.view_delay,
+        whole_answers=args.whole_answers,
     )
 
 
@@ -287,6 +291,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="S",
         help="with several routers: seconds between a replica's refreshes of the other replicas' "
         "load (default 1, the live router's scrape interval; 0 = always the true load)",
+    )
+    p.add_argument(
+        "--whole-answers",
+        action="store_true",
+        help="the client asks for whole answers (stream false): only then does vLLM name a D's pinned KV, "
+        "so only then can a later turn be pulled (and only on a profile whose link pulls, e.g. "
+        "h100-llama3.1-8b-nixl); default: streamed answers, no pull",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run)

@@ -96,6 +96,11 @@ pub struct LinkModel {
     /// 0 = the transfer costs P nothing (NIXL: D pulls).
     #[serde(default)]
     pub push_ms: f64,
+    /// A D can keep a finished request's KV for a P to read back (vLLM's
+    /// NIXL connector with `bidirectional_kv_xfer`), so a later turn may take
+    /// the pull path. P2pNccl only pushes P→D: no pull.
+    #[serde(default)]
+    pub pull: bool,
 }
 
 impl LinkModel {
@@ -276,6 +281,7 @@ impl Profile {
                 latency_ms: 2.0,
                 full_prompt_transfer: false,
                 push_ms: 0.0,
+                pull: true,
             },
             api: ApiModel {
                 request_overhead_ms: 1.0,
@@ -332,6 +338,7 @@ mod tests {
             latency_ms: 0.0,
             full_prompt_transfer: false,
             push_ms: 0.0,
+            pull: false,
         };
         // Paper B.6: 5,115 tokens × 128 KiB over 25 GB/s ≈ 27 ms.
         let t = l.alone_ms(5115 * 131_072);

@@ -52,6 +52,7 @@ pub fn load_profile(name_or_path: &str) -> Result<Profile, Error> {
             let mut p = parse(DEFAULT_PROFILE, DEFAULT_PROFILE_NAME)?;
             p.link.full_prompt_transfer = false;
             p.link.push_ms = 0.0;
+            p.link.pull = true;
             Ok(p)
         }
         path => {
@@ -83,6 +84,7 @@ mod tests {
         assert!(base.link.full_prompt_transfer && base.link.push_ms > 0.0);
         assert!(!nixl.link.full_prompt_transfer);
         assert_eq!(nixl.link.push_ms, 0.0);
+        assert!(nixl.link.pull && !base.link.pull);
         assert_eq!(nixl.link.gbps, base.link.gbps);
         assert_eq!(format!("{:?}", nixl.step), format!("{:?}", base.step));
     }

@@ -176,6 +176,7 @@ mod tests {
             latency_ms: 1.0,
             full_prompt_transfer: false,
             push_ms: 0.0,
+            pull: false,
         })
     }
 
@@ -190,6 +191,7 @@ mod tests {
                 latency_ms: 0.0,
                 full_prompt_transfer: false,
                 push_ms: 0.0,
+                pull: false,
             });
             let mut done = vec![];
             let mut t = 1e7;

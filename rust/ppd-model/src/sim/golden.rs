@@ -1,8 +1,19 @@
 //! The single router's results from before router replicas existed, kept
 //! verbatim: `routers = 1` (the default) must reproduce them to the last bit.
 
-use super::tests::run;
 use super::*;
+
+/// The results were recorded when the simulator let every later turn be
+/// pulled: whole answers, on a link that can pull.
+fn pullable(mut cfg: SimConfig) -> SimConfig {
+    cfg.whole_answers = true;
+    cfg
+}
+
+fn run(dep: &str, policy: &str, wl: &str, qps: f64) -> SimResult {
+    let cfg = pullable(SimConfig::new(dep, policy, wl, qps));
+    simulate(&cfg, &super::tests::profile(), None).unwrap()
+}
 
 /// `expected` as printed by the simulator before replicas, with the fields
 /// added since taken from `actual`.
@@ -196,9 +207,10 @@ fn one_router_reproduces_the_results_from_before_replicas() {
 fn one_router_reproduces_the_results_from_before_replicas_on_the_h100_profile() {
     // The fitted profile: the paper's client cap queues conversations, and a
     // re-rendered history misses the cache for the last answer.
-    let p = crate::load_profile("default").unwrap();
+    let mut p = crate::load_profile("default").unwrap();
+    p.link.pull = true;
     let run = |d: &str, pol: &str, w: &str, q: f64| {
-        simulate(&SimConfig::new(d, pol, w, q), &p, None).unwrap()
+        simulate(&pullable(SimConfig::new(d, pol, w, q)), &p, None).unwrap()
     };
     same_as_before(run("2P2pD", "ppd-live", "large_mid_paste", 8.0), |actual| {
         SimResult {

@@ -79,6 +79,14 @@ pub struct SimConfig {
     /// router scrapes its nodes every 1 s); 0 = every decision sees the true load.
     #[serde(default = "default_view_delay")]
     pub view_delay_s: f64,
+    /// The client asks for whole answers (`"stream": false`). vLLM (0.32)
+    /// names a bidirectional D's pinned KV only in a whole answer's
+    /// `kv_transfer_params`, so only such a conversation's later turns can be
+    /// pulled, and only where the profile's link can pull (NIXL). The
+    /// clients measured and benchmarked here stream; TTFT is still when the
+    /// engine produced the first token.
+    #[serde(default)]
+    pub whole_answers: bool,
 }
 
 fn default_duration() -> f64 {
@@ -118,6 +126,7 @@ impl SimConfig {
             node_slowdown: 1.0,
             routers: one_router(),
             view_delay_s: default_view_delay(),
+            whole_answers: false,
         }
     }
 }
@@ -371,6 +380,8 @@ struct Sim<'a> {
     ds: Vec<usize>,
     rs: Vec<usize>,
     replica_share: f64,
+    /// Later turns can be pulled (see `SimConfig::whole_answers`).
+    pulls: bool,
     events: Events<Ext>,
     next_id: u64,
     reqs: AHashMap<u64, ReqInfo>,
@@ -530,9 +541,10 @@ impl<'a> Sim<'a> {
         input.session_on_replica = c.on_replica;
         input.d_local_capable = c.d.is_some_and(|d| self.roles[d].local_capable());
         input.replica_share = self.replica_share;
-        // Every D keeps a conversation's blocks for a pull (bidirectional
-        // transfer with whole answers); the pin's memory is not modelled.
-        input.pull_ready = turn > 1 && c_d_holds(&self.convs[conv as usize]);
+        // As the live router: a pull needs D's pin, named only where the
+        // link can pull and the previous answer came whole (the pin's memory
+        // on D is not modelled).
+        input.pull_ready = self.pulls && turn > 1 && c_d_holds(&self.convs[conv as usize]);
         let holder = self.convs[conv as usize].d.filter(|_| turn > 1);
         if let Some(d) = holder.filter(|_| c_d_holds(&self.convs[conv as usize])) {
             input.live = Some(self.live_view(conv, d, prompt));
@@ -1310,6 +1322,7 @@ pub fn simulate(
         ds,
         rs,
         replica_share,
+        pulls: profile.link.pull && cfg.whole_answers,
         events: Events::new(),
         next_id: 0,
         reqs: AHashMap::new(),

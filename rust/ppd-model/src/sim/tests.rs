@@ -1,6 +1,6 @@
 use super::*;
 
-fn profile() -> Profile {
+pub(super) fn profile() -> Profile {
     let mut p = Profile::test_profile();
     p.kv_blocks = 20_000;
     p.max_num_seqs = 256;
@@ -294,9 +294,29 @@ fn ppd_live_appends_on_an_idle_cluster_and_moves_prefills_off_a_crowded_d() {
     // it, so a share goes through P (pull reads D's context back).
     let mut cfg = SimConfig::new("3P1pD", "ppd-live", "large_huge_paste", 8.0);
     cfg.w_tpot = 3.0;
+    cfg.whole_answers = true;
     let busy = simulate(&cfg, &profile(), None).unwrap();
     assert!(busy.local_share < 0.9, "{}", busy.local_share);
     assert!(busy.pull_share > 0.0, "{}", busy.pull_share);
+}
+
+#[test]
+fn a_turn_is_pulled_only_after_a_whole_answer_on_a_link_that_can_pull() {
+    // The busy point above, where ppd-live pulls: vLLM names D's pin only
+    // in a whole answer, and P2pNccl cannot read D's KV at all.
+    let busy = |whole_answers: bool, pull: bool| {
+        let mut cfg = SimConfig::new("3P1pD", "ppd-live", "large_huge_paste", 8.0);
+        cfg.w_tpot = 3.0;
+        cfg.whole_answers = whole_answers;
+        let mut p = profile();
+        p.link.pull = pull;
+        simulate(&cfg, &p, None).unwrap()
+    };
+    assert!(busy(true, true).pull_share > 0.0);
+    let streamed = busy(false, true);
+    assert_eq!(streamed.pull_share, 0.0);
+    assert!(streamed.local_share < 0.9, "{}", streamed.local_share);
+    assert_eq!(busy(true, false).pull_share, 0.0);
 }
 
 #[test]
@@ -518,7 +538,7 @@ fn kv_pulls_into_a_nearly_full_pool_wait_for_their_blocks() {
     // A small pool: a pull's cached blocks leave the free list as it is
     // admitted, so admission counts them (a pull once started short of
     // blocks and its commit ran past them).
-    let mut p = crate::load_profile("default").unwrap();
+    let mut p = crate::load_profile(crate::NIXL_PROFILE_NAME).unwrap();
     p.kv_blocks = 1500;
     p.max_num_seqs = 64;
     for (dep, wl) in [
@@ -529,6 +549,7 @@ fn kv_pulls_into_a_nearly_full_pool_wait_for_their_blocks() {
         let c = SimConfig {
             duration_s: 20.0,
             turns: 4,
+            whole_answers: true,
             ..SimConfig::new(dep, "ppd-live", wl, 20.0)
         };
         let r = simulate(&c, &p, None).unwrap();
