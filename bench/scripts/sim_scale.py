@@ -7,8 +7,9 @@ timed wall-clock with the load average beside each run. ``spread``: routers
 node, the placement spread and the Turn 2+ figures of each. ``decide``: ``ppd-live`` on
 12P4pD (the paper's 3P1pD times 4) with wildchat-like conversations at 12 a second (open
 loop: the most this cluster answers within the 30 s timeout, and a load where ppd-live moves a
-third of the turns off the pDs), routers 1 / 3 / 8 × the same view delays: what deciding on
-the nodes' state as the last refresh read it costs.
+third of the turns off the pDs through pull, with clients taking whole answers so that the
+router can pull), routers 1 / 3 / 8 × the same view delays: what deciding on the nodes' state
+as the last refresh read it costs.
 
 Both use the built-in H100 profile as a NIXL deployment (``h100-llama3.1-8b-nixl``:
 P2pNccl's per-request push inside P's step would make 250 P nodes the bottleneck)
@@ -37,11 +38,19 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 BASE_PROFILE = ROOT / "tables" / "engine-h100-llama3.1-8b.toml"
 # The NIXL variant (ppd_core::profiles::NIXL_PROFILE_NAME) without the client cap.
-PROFILE_EDITS = {"full_prompt_transfer": "false", "push_ms": "0.0", "max_conversations": "0"}
+PROFILE_EDITS = {"full_prompt_transfer": "false", "push_ms": "0.0", "pull": "true", "max_conversations": "0"}
 SCALE = {"deployment": "250P750pD", "qps": 10_000, "duration": 60, "routers": 8, "view_delay": 1}
 SPREAD = {"deployment": "25P75pD", "qps": 1_000, "duration": 30}
 WORKLOAD = "small_mid_bal"
-DECIDE = {"deployment": "12P4pD", "qps": 12, "duration": 20, "policy": "ppd-live", "workload": "wildchat-like"}
+# Whole answers: the clients let the router pull (decision.md), the path replicas must agree on.
+DECIDE = {
+    "deployment": "12P4pD",
+    "qps": 12,
+    "duration": 20,
+    "policy": "ppd-live",
+    "workload": "wildchat-like",
+    "whole_answers": True,
+}
 # The paper's x = 1 on every pD: the lookup tables' QPS axis (0.5-20 on 4 nodes)
 # says nothing about a 1,000-node cluster's rate.
 POLICY = "local"
@@ -73,6 +82,7 @@ def command(
     view_delay: float,
     policy: str = POLICY,
     workload: str = WORKLOAD,
+    whole_answers: bool = False,
 ) -> list[str]:
     exe = shutil.which("ppd-router")
     if exe is None:
@@ -81,7 +91,7 @@ def command(
         exe, "simulate", "--deployment", deployment, "--policy", policy, "--workload", workload,
         "--qps", f"{qps:g}", "--duration", f"{duration:g}", "--routers", str(routers),
         "--view-delay", f"{view_delay:g}", "--profile", str(profile), "--json",
-    ]  # fmt: skip
+    ] + (["--whole-answers"] if whole_answers else [])  # fmt: skip
 
 
 def run(cmd: list[str]) -> dict[str, Any]:
