@@ -73,7 +73,9 @@ def points(workloads: list[str], profile: Optional[str] = None, whole_answers: b
     return out
 
 
-KEEP_META = ("setting", "deployment", "policy", "workload", "qps", "w_ttft", "w_tpot", "slo", "profile", "whole_answers")
+KEEP_META = (
+    "setting", "deployment", "policy", "workload", "qps", "w_ttft", "w_tpot", "slo", "profile", "whole_answers",
+)  # fmt: skip
 KEEP = (
     "success_rate",
     "slo_attainment",
