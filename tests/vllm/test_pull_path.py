@@ -9,6 +9,7 @@ the two clusters never run at once on CI's two cores.
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from .conftest import (
     router_for,
     user,
 )
+from .test_stream import content, stream
 
 pytestmark = [pytest.mark.vllm, pytest.mark.own_cluster]
 
@@ -175,3 +177,47 @@ def test_greedy_pull_answer_is_identical_to_the_local_pd_and_from_scratch_answer
         for old, new in (("Tell", "Tall"), ("lighthouse", "lighthousE"), ("every night", "every Night"))
     ]
     assert any(c != scratch for c in controls), "the answer ignores earlier context: the check above proves nothing"
+
+
+def pins_asked(tier: Tier) -> float:
+    m = re.search(r'^ppd_pin_requests_total\{result="pinned"\} ([0-9.e+]+)$', tier.client.get(tier.url + "/metrics").text,
+                  re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_after_a_streamed_answer_the_router_asks_d_for_a_pin_and_p_computes_only_the_new_tokens(
+    pull_tier: Tier,
+) -> None:
+    # vLLM 0.32 names D's pin only in a whole answer; after a streamed one the router asks D for a pin of
+    # the history up to that answer (continue_final_message, one token) and the turn still pulls.
+    t = pull_tier
+    d = t.pd_nodes()[0]
+    first = conversation_start("pull-after-stream")
+    session, salt = str(uuid.uuid4()), "pull-stream-" + uuid.uuid4().hex
+    headers, events = stream(t, first, session, max_tokens=TURN1_TOKENS, cache_salt=salt,
+                             stream_options={"include_usage": True})
+    assert headers["x-ppd-path"] == "pd"
+    usage1 = events[-2]["usage"]
+    assert "kv_transfer_params" not in events[-2]
+    history = [*first, assistant(content(events)), FOLLOW_UP]
+    asked = pins_asked(t)
+    before, p_before = t.snapshot(), sources(t, t.p)
+    r2 = salted(t, history, session, salt)
+    after, p_after = t.snapshot(), sources(t, t.p)
+    assert path_of(r2) == ("pull", "forced", d)
+    assert pins_asked(t) == asked + 1
+    got = {s: p_after[s] - p_before[s] for s in SOURCES}
+    n2 = r2.json()["usage"]["prompt_tokens"]
+    print(f"pull after a stream: prompt {n2}, turn 1 {usage1}, P by source {got}")
+    # D pinned the history up to the streamed answer's end (Turn 1's prompt and its 80 answer tokens, as
+    # the re-rendered history tokenizes them); P's cache held Turn 1's prompt, D's pin gave it the rest,
+    # and P computed only what follows the answer.
+    context = usage1["prompt_tokens"] + usage1["completion_tokens"]
+    assert got["local_cache_hit"] == block_floor(usage1["prompt_tokens"])
+    assert got["external_kv_transfer"] == context - block_floor(usage1["prompt_tokens"])
+    assert got["local_compute"] == n2 - context, f"P computed {got['local_compute']} of {n2} tokens"
+    # D answered the pin request and the turn: two requests.
+    assert delta(before, after, d, "request_success") == 2
+    # The pulled KV is right: the answer is the one computed from scratch on an empty cache.
+    scratch = answer(salted(t, history, "scratch", "scratch-" + uuid.uuid4().hex, url=d))
+    assert answer(r2) == scratch

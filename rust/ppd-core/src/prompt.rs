@@ -49,6 +49,27 @@ fn push_header(out: &mut Vec<u64>, role: &str) {
 /// Llama-3's template: begin-of-text, per message a 3-token header, the
 /// content and end-of-turn, then the assistant's header.
 pub fn render_chat<'a>(messages: impl IntoIterator<Item = (&'a str, &'a str)>) -> Vec<u64> {
+    render_chat_ending(messages, ChatEnd::GenerationPrompt)
+}
+
+/// How a rendered chat ends: vLLM's `add_generation_prompt` (the default)
+/// and `continue_final_message` request fields.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChatEnd {
+    /// The assistant's header follows the last message.
+    GenerationPrompt,
+    /// The last message is closed and nothing follows.
+    Closed,
+    /// The last message is left open (no end-of-turn), to be continued: its
+    /// ids are a prefix of any later prompt that carries it whole.
+    OpenFinal,
+}
+
+/// Word-rule ids of a chat prompt ending as `end` says.
+pub fn render_chat_ending<'a>(
+    messages: impl IntoIterator<Item = (&'a str, &'a str)>,
+    end: ChatEnd,
+) -> Vec<u64> {
     let mut out = Vec::with_capacity(256);
     out.push(BEGIN_OF_TEXT);
     for (role, content) in messages {
@@ -56,7 +77,16 @@ pub fn render_chat<'a>(messages: impl IntoIterator<Item = (&'a str, &'a str)>) -
         push_text(&mut out, content);
         out.push(END_OF_TURN);
     }
-    push_header(&mut out, "assistant");
+    match end {
+        ChatEnd::GenerationPrompt => push_header(&mut out, "assistant"),
+        ChatEnd::Closed => {}
+        ChatEnd::OpenFinal => {
+            // Only a message's end-of-turn closes it; an empty chat has none.
+            if out.len() > 1 {
+                out.pop();
+            }
+        }
+    }
     out
 }
 
@@ -259,6 +289,30 @@ mod tests {
                 .sum::<u32>()
             + GENERATION_PROMPT_TOKENS;
         assert_eq!(ids.len() as u32, expect);
+    }
+
+    #[test]
+    fn a_history_left_open_at_its_last_answer_is_a_prefix_of_the_next_turn() {
+        let history = [
+            ("user", "Tell me about caches."),
+            ("assistant", "They keep things."),
+        ];
+        let open = render_chat_ending(history, ChatEnd::OpenFinal);
+        let next = render_chat([
+            ("user", "Tell me about caches."),
+            ("assistant", "They keep things."),
+            ("user", "Which things?"),
+        ]);
+        assert_eq!(open[..], next[..open.len()]);
+        assert_eq!(
+            *open.last().unwrap(),
+            token_id("."),
+            "the answer's last token"
+        );
+        let closed = render_chat_ending(history, ChatEnd::Closed);
+        assert_eq!(closed.len(), open.len() + 1);
+        assert_eq!(*closed.last().unwrap(), END_OF_TURN);
+        assert_eq!(render_chat_ending([], ChatEnd::OpenFinal), [BEGIN_OF_TEXT]);
     }
 
     #[test]

@@ -18,7 +18,7 @@ use axum::Router;
 use ppd_core::prompt::given_token_id;
 use ppd_core::request::{parse_request, ContentText};
 use ppd_model::engine::mix64;
-use ppd_model::text::{render_chat, render_prompt, Generator};
+use ppd_model::text::{render_chat_ending, render_prompt, ChatEnd, Generator};
 use ppd_model::{Content, Finish, Kind, Profile, Submit, Usage};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, Notify};
@@ -495,7 +495,20 @@ fn completion_prompts(v: &Value) -> Result<Vec<Vec<u64>>, Response> {
     Ok(prompts)
 }
 
-fn chat_prompt(text: &str) -> Result<Vec<u64>, Response> {
+/// How the chat's rendering ends, from vLLM's two request fields (checked
+/// against each other by `openai::check_validators`).
+fn chat_end(v: &Value) -> ChatEnd {
+    let flag = |name: &str| v.get(name).and_then(Value::as_bool);
+    if flag("continue_final_message") == Some(true) {
+        ChatEnd::OpenFinal
+    } else if flag("add_generation_prompt") == Some(false) {
+        ChatEnd::Closed
+    } else {
+        ChatEnd::GenerationPrompt
+    }
+}
+
+fn chat_prompt(text: &str, end: ChatEnd) -> Result<Vec<u64>, Response> {
     let view = parse_request(text).map_err(|e| bad(e.to_string()))?;
     let Some(msgs) = view.messages.as_ref() else {
         return Err(bad("messages is required for /v1/chat/completions"));
@@ -511,8 +524,9 @@ fn chat_prompt(text: &str) -> Result<Vec<u64>, Response> {
         let c = ContentText::parse(m.content).map_err(|e| bad(e.to_string()))?;
         parts.push((m.role.to_string(), c.joined().into_owned()));
     }
-    Ok(render_chat(
+    Ok(render_chat_ending(
         parts.iter().map(|(r, c)| (r.as_str(), c.as_str())),
+        end,
     ))
 }
 
@@ -559,7 +573,7 @@ fn parse_body(s: &AppState, ep: Endpoint, text: &str) -> Result<Parsed, Response
         }
     };
     let prompts = match ep {
-        Endpoint::Chat => vec![chat_prompt(text)?],
+        Endpoint::Chat => vec![chat_prompt(text, chat_end(&v))?],
         Endpoint::Completion => completion_prompts(&v)?,
     };
     if prompts.iter().any(Vec::is_empty) {

@@ -70,10 +70,12 @@ const COMMON: [(&str, Ty); 13] = [
     ("stream", Ty::Bool),
     ("ignore_eos", Ty::Bool),
 ];
-const CHAT: [(&str, Ty); 3] = [
+const CHAT: [(&str, Ty); 5] = [
     ("max_completion_tokens", Ty::Integer),
     ("top_logprobs", Ty::Integer),
     ("logprobs", Ty::Bool),
+    ("add_generation_prompt", Ty::Bool),
+    ("continue_final_message", Ty::Bool),
 ];
 const COMPLETION: [(&str, Ty); 2] = [("logprobs", Ty::Integer), ("echo", Ty::Bool)];
 
@@ -186,6 +188,16 @@ pub(crate) fn check_validators(o: &Map<String, Value>, chat: bool) -> Result<(),
         ));
     }
     if chat {
+        let flag = |name: &str| o.get(name).and_then(Value::as_bool);
+        if flag("continue_final_message") == Some(true)
+            && flag("add_generation_prompt").unwrap_or(true)
+        {
+            // vLLM's default add_generation_prompt is true: continuing needs it off.
+            return Err(invalid(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                None,
+            ));
+        }
         if let Some(k) = int(o, "top_logprobs") {
             if k < -1 {
                 return Err(invalid(
@@ -424,5 +436,28 @@ mod tests {
         );
         let o = json!({"logprobs": true, "top_logprobs": 2, "stream": true, "stream_options": {}});
         assert!(check_validators(o.as_object().unwrap(), true).is_ok());
+    }
+
+    #[test]
+    fn continuing_the_final_message_needs_the_generation_prompt_off() {
+        let check = |o: Value| check_validators(o.as_object().unwrap(), true);
+        // add_generation_prompt defaults to true, as in vLLM.
+        let e = check(json!({"continue_final_message": true})).unwrap_err();
+        assert!(
+            e.message.contains("continue_final_message"),
+            "{}",
+            e.message
+        );
+        assert!(
+            check(json!({"continue_final_message": true, "add_generation_prompt": true})).is_err()
+        );
+        assert!(
+            check(json!({"continue_final_message": true, "add_generation_prompt": false})).is_ok()
+        );
+        assert!(check_schema(
+            &json!({"messages": [], "continue_final_message": "yes"}),
+            true
+        )
+        .is_err());
     }
 }

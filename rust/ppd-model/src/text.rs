@@ -8,8 +8,8 @@
 
 use crate::engine::mix64;
 pub use ppd_core::prompt::{
-    push_text, render_chat, render_prompt, token_id, BEGIN_OF_TEXT, END_HEADER, END_OF_TURN,
-    START_HEADER,
+    push_text, render_chat, render_chat_ending, render_prompt, token_id, ChatEnd, BEGIN_OF_TEXT,
+    END_HEADER, END_OF_TURN, START_HEADER,
 };
 
 /// Words of the generated text: all alphanumeric, so each is exactly one token.

@@ -14,10 +14,6 @@ use crate::sse::Usage;
 use crate::state::AppState;
 use crate::trail::{ConvHash, Line, Trail};
 
-/// How long before a pin's end the router stops naming it: vLLM's P declines
-/// a read within 5 s of it (`_KV_BLOCKS_EXPIRY_SAFETY_MARGIN`).
-const PIN_SAFETY_MARGIN_MS: u64 = 5_000;
-
 /// Marks a response already counted in `ppd_requests_total` (a routed request).
 #[derive(Clone, Copy)]
 pub struct Counted;
@@ -140,9 +136,7 @@ impl Ticket {
                 .map(|(h, a)| h.whole.answered(a).key())
         };
         let Some(key) = next else { return };
-        let now = st.now_ms();
-        let ttl_ms = (st.cfg.decoder_kv_blocks_ttl * 1000.0) as u64;
-        let expires = now + ttl_ms.saturating_sub(PIN_SAFETY_MARGIN_MS);
+        let expires = crate::pull::pin_expiry(st.now_ms(), st.cfg.decoder_kv_blocks_ttl);
         let d = (self.d.id, self.d.load.epoch());
         if let Some(h) = crate::pull::handle_of(params, d, expires) {
             st.pulls.record(&key, h);

@@ -38,6 +38,7 @@ pub mod logging;
 pub mod membership;
 pub mod metrics;
 mod orchestrate;
+mod pin;
 mod pull;
 pub mod registry;
 mod relay;

@@ -151,6 +151,8 @@ pub struct Metrics {
     pub request_retries: Family<RetryLabels, Counter>,
     pub admission: Family<AdmissionLabels, Counter>,
     pub kv_releases: Family<ResultLabel, Counter>,
+    /// Pins asked of a D after a streamed answer, for a pull (pin.rs).
+    pub pin_requests: Family<ResultLabel, Counter>,
     pub queue_waiting: Gauge,
     pub sessions: Gauge,
     pub sessions_adopted: Family<AdoptionLabel, Counter>,
@@ -292,6 +294,12 @@ impl Metrics {
             "Requests that asked a D to free KV staged on P for a hand-off that did not happen, by result",
             kv_releases.clone(),
         );
+        let pin_requests = Family::<ResultLabel, Counter>::default();
+        registry.register(
+            "pin_requests",
+            "Pins a pull asked of its D because no whole answer had named one (a streamed last answer), by result",
+            pin_requests.clone(),
+        );
         let queue_waiting = Gauge::default();
         registry.register(
             "queue_waiting",
@@ -381,6 +389,7 @@ impl Metrics {
             request_retries,
             admission,
             kv_releases,
+            pin_requests,
             queue_waiting,
             sessions,
             sessions_adopted,

@@ -24,7 +24,7 @@ use crate::error::{invalid_request, openai_error, unavailable};
 use crate::pull::Handle;
 use crate::registry::{InflightGuard, Node};
 use crate::relay::{route_headers, streamed, whole, Relay};
-use crate::route::{prefill_node, Plan, Target};
+use crate::route::{prefill_node, Pin, Plan, Target};
 use crate::state::AppState;
 use crate::trail::{Trail, TRACE_TARGET};
 use crate::upstream::{self, Endpoint, NodeHeaders, PrefillError, SendError};
@@ -84,7 +84,11 @@ pub(crate) async fn run(
                 .await
         }
         Target::Pd(d) => run.pd(Arc::clone(d), admitted, None).await,
-        Target::Pull(d, h) => run.pd(Arc::clone(d), admitted, Some(h)).await,
+        Target::Pull(d, Pin::Held(h)) => run.pd(Arc::clone(d), admitted, Some(h)).await,
+        Target::Pull(d, Pin::Ask) => {
+            let asked = run.ask_pin(d).await;
+            run.pd(Arc::clone(d), admitted, asked.as_ref()).await
+        }
         Target::Unavailable(why) => Ok(run.fail(unavailable(*why))),
     }
 }
@@ -136,6 +140,22 @@ impl Run<'_> {
             });
         }
         Ok(self.fail(answer))
+    }
+
+    /// Asks `d` for a pin of the conversation (no whole answer named one);
+    /// `None` when it names none, and the turn's P then prefills it all.
+    async fn ask_pin(&self, d: &Arc<Node>) -> Option<Handle> {
+        let st = self.st();
+        let pin = st.connector.pin_edit()?;
+        let Edit::Set(_, params) = &pin else {
+            return None;
+        };
+        let body = crate::pin::ask_body(self.call.text, params)?;
+        let rid = format!("{}-pin", self.call.trail.id);
+        let span =
+            tracing::info_span!(target: TRACE_TARGET, "pin", node = %d.url, request_id = %rid);
+        let headers = self.node_headers(&rid, &span);
+        crate::pin::ask(st, d, body, headers).instrument(span).await
     }
 
     /// P prefills, its KV moves to D, D decodes; a P that fails before

@@ -38,6 +38,16 @@ impl Handle {
     }
 }
 
+/// How long before a pin's end the router stops naming it: vLLM's P declines
+/// a read within 5 s of it (`_KV_BLOCKS_EXPIRY_SAFETY_MARGIN`).
+const PIN_SAFETY_MARGIN_MS: u64 = 5_000;
+
+/// When a pin made at `now_ms` on a D that keeps pins `ttl_s` stops being
+/// named (`decoder_kv_blocks_ttl`, less the safety margin).
+pub(crate) fn pin_expiry(now_ms: u64, ttl_s: f64) -> u64 {
+    now_ms + ((ttl_s * 1000.0) as u64).saturating_sub(PIN_SAFETY_MARGIN_MS)
+}
+
 /// What a pin costs the router besides its params' bytes (entry, key, LRU links).
 const ENTRY_OVERHEAD_BYTES: usize = 160;
 

@@ -37,14 +37,22 @@ pub(crate) enum Target {
     Replica(Arc<Node>),
     /// A P (chosen per attempt by [`prefill_node`]) prefills, this node decodes.
     Pd(Arc<Node>),
-    /// A P reads the conversation's KV back from this node's pin (the
-    /// handle, used once), prefills the new tokens, and this node decodes.
-    Pull(Arc<Node>, Box<Handle>),
+    /// A P reads the conversation's KV back from this node's pin, prefills
+    /// the new tokens, and this node decodes.
+    Pull(Arc<Node>, Pin),
     /// This node computes the whole prompt itself: no P can prefill (or the
     /// KV protocol has none).
     Direct(Arc<Node>),
     /// No node can serve the path: why.
     Unavailable(&'static str),
+}
+
+/// The pin a pull reads.
+pub(crate) enum Pin {
+    /// Named by D's last whole answer (the handle, used once).
+    Held(Box<Handle>),
+    /// None named (the last answer streamed): asked of D first (pin.rs).
+    Ask,
 }
 
 impl Plan {
@@ -81,9 +89,12 @@ impl Plan {
     pub fn prefill_work(&self, kv_bytes_per_token: u64) -> Work {
         let i = &self.input;
         match &self.target {
-            Target::Pull(_, h) => Work {
+            Target::Pull(_, pin) => Work {
                 prompt_tokens: i.n_in,
-                kv_bytes: u64::from(h.tokens) * kv_bytes_per_token,
+                kv_bytes: u64::from(match pin {
+                    Pin::Held(h) => h.tokens,
+                    Pin::Ask => i.n_ctx,
+                }) * kv_bytes_per_token,
                 ..Work::default()
             },
             _ => Work {
@@ -136,9 +147,9 @@ pub(crate) fn plan(
         replica_share: st.replica_share(),
         session_on_replica: holder.as_ref().is_some_and(|n| n.role == Role::R),
         pull_ready: st.cfg.bidirectional_kv_xfer
-            && holder
-                .as_ref()
-                .is_some_and(|n| st.pulls.ready(&id.conv, (n.id, n.load.epoch()), now)),
+            && holder.as_ref().is_some_and(|n| {
+                asks_pin(id, n) || st.pulls.ready(&id.conv, (n.id, n.load.epoch()), now)
+            }),
         live: None,
     };
     let input = DecisionInput {
@@ -155,7 +166,17 @@ pub(crate) fn plan(
         let (c, w, q) = table.describe(s.cell_at);
         (c.to_owned(), w.to_owned(), q)
     });
-    let mut plan = placed(st, route, input, holder, &id.conv, id.placement_key, &[]);
+    let ask = holder.as_ref().is_some_and(|n| asks_pin(id, n));
+    let mut plan = placed(
+        st,
+        route,
+        input,
+        holder,
+        &id.conv,
+        id.placement_key,
+        &[],
+        ask,
+    );
     if let (1, Target::Pd(d)) = (f.turn, &plan.target) {
         if st.engine.policy().predicts() {
             // A Turn 1 is a pd prefill on P: its TTFT teaches P's
@@ -297,6 +318,7 @@ pub(crate) fn after_failure(
         "",
         before.placement_key,
         &[failed.id],
+        false,
     );
     if matches!(plan.target, Target::Unavailable(_)) {
         return Ok(None);
@@ -331,11 +353,20 @@ pub(crate) fn without_prefill(st: &AppState, before: &Plan) -> Plan {
     }
 }
 
+/// Whether a pull of this turn can ask `d` for a pin when no whole answer
+/// named one: a chat (the pin request renders its history), after an
+/// answer, whose session's D decodes.
+fn asks_pin(id: &Identified, d: &Node) -> bool {
+    id.history.is_some() && id.features.turn > 1 && d.role.decodes()
+}
+
 /// A route on its nodes: the session's node where it can serve, else a
 /// node of the path's roles ([`new_decoder`] for a decoding node), never
 /// one in `exclude`. A pd path
 /// without an available P runs direct on its D (`p_unavailable`); a pull
-/// takes the conversation's handle, or is a pd turn when it raced away.
+/// takes the conversation's handle, else asks D for a pin where `ask_pin`
+/// allows, else is a pd turn (its handle raced away).
+#[allow(clippy::too_many_arguments)]
 fn placed(
     st: &AppState,
     mut route: Route,
@@ -344,6 +375,7 @@ fn placed(
     conv: &str,
     placement_key: u64,
     exclude: &[NodeId],
+    ask_pin: bool,
 ) -> Plan {
     let now = st.now_ms();
     let least_loaded = |roles: &[Role]| st.registry.least_loaded(roles, exclude, now);
@@ -353,17 +385,19 @@ fn placed(
             .as_ref()
             .filter(|n| usable(n) && prefill_node(st, &[]).is_some())
             .and_then(|n| {
-                st.pulls
-                    .take(conv, (n.id, n.load.epoch()), now)
-                    .map(|h| (n, h))
+                let held = st.pulls.take(conv, (n.id, n.load.epoch()), now);
+                match held {
+                    Some(h) => Some((n, Pin::Held(Box::new(h)))),
+                    None => ask_pin.then_some((n, Pin::Ask)),
+                }
             });
         match pin {
-            Some((d, h)) => {
+            Some((d, pin)) => {
                 return Plan {
                     route,
                     input,
                     placement_key,
-                    target: Target::Pull(Arc::clone(d), Box::new(h)),
+                    target: Target::Pull(Arc::clone(d), pin),
                 }
             }
             None => {
