@@ -280,8 +280,8 @@ def main() -> int:
     ap.add_argument(
         "--whole-answers",
         action="store_true",
-        help="the clients take whole answers, so a NIXL D's pin is named and later turns can be pulled "
-        "(default: streamed answers, as the paper's client and ppd-router bench ask; vLLM names no pin then)",
+        help="the clients take whole answers, whose pins D names (default: streamed answers, as the paper's "
+        "client and ppd-router bench ask; a pull then first asks D for a pin)",
     )
     a = ap.parse_args()
     if a.out:

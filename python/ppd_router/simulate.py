@@ -295,9 +295,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--whole-answers",
         action="store_true",
-        help="the client asks for whole answers (stream false): only then does vLLM name a D's pinned KV, "
-        "so only then can a later turn be pulled (and only on a profile whose link pulls, e.g. "
-        "h100-llama3.1-8b-nixl); default: streamed answers, no pull",
+        help="the client asks for whole answers (stream false), which name D's pinned KV; default: streamed "
+        "answers, after which a pull first asks D for a pin (pull needs a profile whose link pulls, e.g. "
+        "h100-llama3.1-8b-nixl)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run)

@@ -81,10 +81,11 @@ pub struct SimConfig {
     pub view_delay_s: f64,
     /// The client asks for whole answers (`"stream": false`). vLLM (0.32)
     /// names a bidirectional D's pinned KV only in a whole answer's
-    /// `kv_transfer_params`, so only such a conversation's later turns can be
-    /// pulled, and only where the profile's link can pull (NIXL). The
-    /// clients measured and benchmarked here stream; TTFT is still when the
-    /// engine produced the first token.
+    /// `kv_transfer_params`; after a streamed answer the router first asks D
+    /// for a pin (one more request on D: the context, one token), as
+    /// ppd-server's pin.rs does. Pull needs a profile whose link can pull
+    /// (NIXL) either way. The clients measured and benchmarked here stream;
+    /// TTFT is still when the engine produced the first token.
     #[serde(default)]
     pub whole_answers: bool,
 }
@@ -177,6 +178,9 @@ pub struct SimResult {
     /// Share of Turn 2+ requests routed `pull`.
     #[serde(default)]
     pub pull_share: f64,
+    /// Pins the router asked of a D before a pull (after streamed answers).
+    #[serde(default)]
+    pub pins_asked: u64,
     /// Median |ln(observed / predicted)| of Turn 2+ TTFT where the router
     /// predicted (the cost model's error after its corrections); 0 otherwise.
     #[serde(default)]
@@ -224,6 +228,9 @@ const SALT_R: u64 = 0x5245_504C;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Stage {
+    /// On D, the router's pin request before a pull after a streamed
+    /// answer (ppd-server's pin.rs): the context, one token; then P (node).
+    Pin { p: usize },
     /// On P, prefilling for the D that will pull (node, of the final stage).
     Prefill { d: usize },
     /// Producing the answer.
@@ -380,8 +387,10 @@ struct Sim<'a> {
     ds: Vec<usize>,
     rs: Vec<usize>,
     replica_share: f64,
-    /// Later turns can be pulled (see `SimConfig::whole_answers`).
+    /// Later turns can be pulled: the profile's link pulls.
     pulls: bool,
+    /// A pull first asks D for a pin (the last answer streamed).
+    asks_pin: bool,
     events: Events<Ext>,
     next_id: u64,
     reqs: AHashMap<u64, ReqInfo>,
@@ -395,6 +404,7 @@ struct Sim<'a> {
     out_tokens: u64,
     local: u64,
     pull: u64,
+    pins_asked: u64,
     decided2: u64,
     last_done: f64,
     ev: Vec<Event>,
@@ -541,9 +551,9 @@ impl<'a> Sim<'a> {
         input.session_on_replica = c.on_replica;
         input.d_local_capable = c.d.is_some_and(|d| self.roles[d].local_capable());
         input.replica_share = self.replica_share;
-        // As the live router: a pull needs D's pin, named only where the
-        // link can pull and the previous answer came whole (the pin's memory
-        // on D is not modelled).
+        // As the live router: a pull needs a link that can pull and D's
+        // pin, named by a whole answer or asked for (the pin's memory on D
+        // is not modelled).
         input.pull_ready = self.pulls && turn > 1 && c_d_holds(&self.convs[conv as usize]);
         let holder = self.convs[conv as usize].d.filter(|_| turn > 1);
         if let Some(d) = holder.filter(|_| c_d_holds(&self.convs[conv as usize])) {
@@ -624,18 +634,24 @@ impl<'a> Sim<'a> {
                     });
                 }
                 // Pull: P reads the context D holds over its link, then
-                // computes only the new tokens.
-                let remote = if route.path == Path::Pull { n_ctx } else { 0 };
-                self.submit_at(
-                    t,
-                    p,
-                    conv,
-                    Stage::Prefill { d },
-                    prompt,
-                    1,
-                    Kind::RemoteDecode,
-                    remote,
-                );
+                // computes only the new tokens; after a streamed answer D is
+                // asked for the pin first.
+                if route.path == Path::Pull && self.asks_pin {
+                    self.pins_asked += 1;
+                    self.submit_at(t, d, conv, Stage::Pin { p }, n_ctx, 1, Kind::Local, 0);
+                } else {
+                    let remote = if route.path == Path::Pull { n_ctx } else { 0 };
+                    self.submit_at(
+                        t,
+                        p,
+                        conv,
+                        Stage::Prefill { d },
+                        prompt,
+                        1,
+                        Kind::RemoteDecode,
+                        remote,
+                    );
+                }
             }
         }
         Ok(())
@@ -918,6 +934,23 @@ impl<'a> Sim<'a> {
                     }
                     let conv = r.conv;
                     match r.stage {
+                        Stage::Pin { p } => {
+                            // D named its pin: the router sends the pull to P.
+                            let c = &self.convs[conv as usize];
+                            let (n_in, _) = self.specs[c.spec as usize][c.turn as usize - 1];
+                            let (ctx, d) = (c.context, node);
+                            let at = t + self.hop();
+                            self.submit_at(
+                                at,
+                                p,
+                                conv,
+                                Stage::Prefill { d },
+                                ctx + n_in,
+                                1,
+                                Kind::RemoteDecode,
+                                ctx,
+                            );
+                        }
                         Stage::Prefill { d } => {
                             let c = &mut self.convs[conv as usize];
                             c.hold = Some((node, id));
@@ -1065,6 +1098,7 @@ impl<'a> Sim<'a> {
             } else {
                 self.local as f64 / self.decided2 as f64
             },
+            pins_asked: self.pins_asked,
             pull_share: if self.decided2 == 0 {
                 0.0
             } else {
@@ -1322,7 +1356,8 @@ pub fn simulate(
         ds,
         rs,
         replica_share,
-        pulls: profile.link.pull && cfg.whole_answers,
+        pulls: profile.link.pull,
+        asks_pin: !cfg.whole_answers,
         events: Events::new(),
         next_id: 0,
         reqs: AHashMap::new(),
@@ -1336,6 +1371,7 @@ pub fn simulate(
         out_tokens: 0,
         local: 0,
         pull: 0,
+        pins_asked: 0,
         decided2: 0,
         last_done: 0.0,
         ev: Vec::new(),

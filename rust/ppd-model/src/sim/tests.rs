@@ -301,9 +301,10 @@ fn ppd_live_appends_on_an_idle_cluster_and_moves_prefills_off_a_crowded_d() {
 }
 
 #[test]
-fn a_turn_is_pulled_only_after_a_whole_answer_on_a_link_that_can_pull() {
-    // The busy point above, where ppd-live pulls: vLLM names D's pin only
-    // in a whole answer, and P2pNccl cannot read D's KV at all.
+fn a_turn_is_pulled_only_on_a_link_that_can_pull_after_asking_for_a_pin_if_the_answer_streamed() {
+    // The busy point above, where ppd-live pulls. P2pNccl cannot read D's
+    // KV at all; vLLM names D's pin only in a whole answer, so after a
+    // streamed one the router asks D for it first (one more request on D).
     let busy = |whole_answers: bool, pull: bool| {
         let mut cfg = SimConfig::new("3P1pD", "ppd-live", "large_huge_paste", 8.0);
         cfg.w_tpot = 3.0;
@@ -312,11 +313,20 @@ fn a_turn_is_pulled_only_after_a_whole_answer_on_a_link_that_can_pull() {
         p.link.pull = pull;
         simulate(&cfg, &p, None).unwrap()
     };
-    assert!(busy(true, true).pull_share > 0.0);
+    let whole = busy(true, true);
+    assert!(whole.pull_share > 0.0);
+    assert_eq!(whole.pins_asked, 0);
     let streamed = busy(false, true);
-    assert_eq!(streamed.pull_share, 0.0);
-    assert!(streamed.local_share < 0.9, "{}", streamed.local_share);
-    assert_eq!(busy(true, false).pull_share, 0.0);
+    assert!(streamed.pull_share > 0.0);
+    let pulls = (streamed.pull_share * streamed.turn2plus.count as f64).round() as u64;
+    assert!(
+        streamed.pins_asked >= pulls.saturating_sub(2) && streamed.pins_asked > 0,
+        "{} pins for about {pulls} pulls",
+        streamed.pins_asked
+    );
+    let p2p = busy(true, false);
+    assert_eq!((p2p.pull_share, p2p.pins_asked), (0.0, 0));
+    assert!(p2p.local_share < 0.9, "{}", p2p.local_share);
 }
 
 #[test]
