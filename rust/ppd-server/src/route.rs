@@ -166,17 +166,11 @@ pub(crate) fn plan(
         let (c, w, q) = table.describe(s.cell_at);
         (c.to_owned(), w.to_owned(), q)
     });
-    let ask = holder.as_ref().is_some_and(|n| asks_pin(id, n));
-    let mut plan = placed(
-        st,
-        route,
-        input,
-        holder,
-        &id.conv,
-        id.placement_key,
-        &[],
-        ask,
-    );
+    let pin = PinLookup {
+        conv: &id.conv,
+        ask: holder.as_ref().is_some_and(|n| asks_pin(id, n)),
+    };
+    let mut plan = placed(st, route, input, holder, pin, id.placement_key, &[]);
     if let (1, Target::Pd(d)) = (f.turn, &plan.target) {
         if st.engine.policy().predicts() {
             // A Turn 1 is a pd prefill on P: its TTFT teaches P's
@@ -315,10 +309,12 @@ pub(crate) fn after_failure(
         route,
         input,
         None,
-        "",
+        PinLookup {
+            conv: "",
+            ask: false,
+        },
         before.placement_key,
         &[failed.id],
-        false,
     );
     if matches!(plan.target, Target::Unavailable(_)) {
         return Ok(None);
@@ -360,38 +356,43 @@ fn asks_pin(id: &Identified, d: &Node) -> bool {
     id.history.is_some() && id.features.turn > 1 && d.role.decodes()
 }
 
+/// Where a pull finds its pin: the conversation's handle, filed under
+/// `conv`, else (where `ask`) a pin asked of D.
+struct PinLookup<'a> {
+    conv: &'a str,
+    ask: bool,
+}
+
 /// A route on its nodes: the session's node where it can serve, else a
 /// node of the path's roles ([`new_decoder`] for a decoding node), never
 /// one in `exclude`. A pd path
 /// without an available P runs direct on its D (`p_unavailable`); a pull
-/// takes the conversation's handle, else asks D for a pin where `ask_pin`
+/// takes the conversation's handle, else asks D for a pin where `pin`
 /// allows, else is a pd turn (its handle raced away).
-#[allow(clippy::too_many_arguments)]
 fn placed(
     st: &AppState,
     mut route: Route,
     input: DecisionInput,
     holder: Option<Arc<Node>>,
-    conv: &str,
+    pin: PinLookup<'_>,
     placement_key: u64,
     exclude: &[NodeId],
-    ask_pin: bool,
 ) -> Plan {
     let now = st.now_ms();
     let least_loaded = |roles: &[Role]| st.registry.least_loaded(roles, exclude, now);
     let usable = |n: &Arc<Node>| n.available(now) && !exclude.contains(&n.id);
     if route.path == Path::Pull {
-        let pin = holder
+        let found = holder
             .as_ref()
             .filter(|n| usable(n) && prefill_node(st, &[]).is_some())
             .and_then(|n| {
-                let held = st.pulls.take(conv, (n.id, n.load.epoch()), now);
+                let held = st.pulls.take(pin.conv, (n.id, n.load.epoch()), now);
                 match held {
                     Some(h) => Some((n, Pin::Held(Box::new(h)))),
-                    None => ask_pin.then_some((n, Pin::Ask)),
+                    None => pin.ask.then_some((n, Pin::Ask)),
                 }
             });
-        match pin {
+        match found {
             Some((d, pin)) => {
                 return Plan {
                     route,
