@@ -11,7 +11,7 @@ The router predicts with a profile of the tiny model on this CPU (written below)
 one. The flip does not hang on how good that profile is. Busy, a local prefill of ``FOLLOW_UP`` adds
 about 0.04 ms per new token (~33 ms for ~820 tokens) to a decode step of ~6.4 ms. Spread over the
 ``LONG`` tokens that the background requests decode, that gives a TPOT burden over ``BUSY`` co-running
-decodes of 5 × 33 / 512 / 6.4 ≈ 0.05. ``W_TPOT`` = 40 makes that cost 2.0 in Equation 1, more than any
+decodes of 5 × 33 / 1,536 / 6.4 ≈ 0.017. ``W_TPOT`` = 120 makes that cost 2.0 in Equation 1, more than any
 TTFT gain can give back (at most w_ttft = 1). The learnt TPOT factor scales both sides of that ratio,
 so it cancels. Idle, nothing decodes beside the prefill and both burdens are 0, so TTFT alone decides.
 Local computes only the new tokens, in one hop. The pd path computes the whole prompt on P, moves its
@@ -36,10 +36,12 @@ from .conftest import AUTH, Tier, answer, assistant, conversation_start, node_en
 
 pytestmark = pytest.mark.vllm
 
-W_TPOT = 40.0
+W_TPOT = 120.0
 # The background requests' output: long enough to stay running across several scrapes while the
-# turn is decided (they decode with ignore_eos, so each runs exactly this many steps).
-LONG = 512
+# turn is decided (they decode with ignore_eos, so each runs exactly this many steps), and for the six
+# to overlap even when P's prefills and the KV hand-offs are slow on a loaded machine (at 512 tokens a
+# CI run once saw fewer than BUSY of them decoding at any scrape in 180 s).
+LONG = 1536
 # Background requests through the router, all on its one pD: below --max-num-seqs 8, so the measured
 # turn is not queued behind them.
 BACKGROUND = 6
