@@ -129,6 +129,7 @@ fn bench(c: &mut Criterion) {
                     d_cached: 2_048,
                     p_cached: 0,
                     mean_out_tokens: 200.0,
+                    pull_asks_pin: false,
                 }),
                 ..DecisionInput::turn(2, 32 + (l % 900), 128, 2_048, 4.0)
             };

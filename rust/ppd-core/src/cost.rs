@@ -62,6 +62,9 @@ pub struct LiveView {
     /// Mean output tokens of D's sequences: how many steps a stall is spread
     /// over in their TPOT.
     pub mean_out_tokens: f64,
+    /// A pull would first ask D for a pin (no whole answer named one): one
+    /// more request on D, answered in its next step, before P starts.
+    pub pull_asks_pin: bool,
 }
 
 /// The prediction for one path.
@@ -443,11 +446,17 @@ impl CostModel {
         // Pull: P reads the context D holds, computes the rest, and D takes
         // back only what it lacks.
         let read = self.link_ms(&pv, u64::from(d_cached) * p.kv_bytes_per_token);
-        let pull = handed(
+        let mut pull = handed(
             self.prefill(&pv, prompt - d_cached, d_cached).engine_ms,
             read,
             (prompt - 1) - d_cached,
         );
+        if live.pull_asks_pin {
+            // The pin request: a hop to D, whose next step computes its one
+            // token (a step the decodes there wait for too).
+            pull.ttft_ms += api.router_hop_ms + api.request_overhead_ms + d_first.engine_ms;
+            pull.tpot_added_ms += d_first.added_ms / mean_out;
+        }
         Forecast { pd, local, pull }
     }
 
@@ -620,7 +629,29 @@ mod tests {
             d_cached,
             p_cached: 0,
             mean_out_tokens: 200.0,
+            pull_asks_pin: false,
         }
+    }
+
+    #[test]
+    fn a_pull_that_asks_d_for_its_pin_waits_a_step_of_d_first() {
+        let m = model();
+        let busy = view(busy_d(40), Some(idle(2)), 2000);
+        let held = m.predict(2000, 64, &busy);
+        let asked = m.predict(
+            2000,
+            64,
+            &LiveView {
+                pull_asks_pin: true,
+                ..busy
+            },
+        );
+        assert!(
+            asked.pull.ttft_ms > held.pull.ttft_ms + 1.0,
+            "{asked:?} {held:?}"
+        );
+        assert!(asked.pull.tpot_added_ms > held.pull.tpot_added_ms);
+        assert_eq!((asked.pd, asked.local), (held.pd, held.local));
     }
 
     #[test]

@@ -511,6 +511,7 @@ impl<'a> Sim<'a> {
             d_cached: self.nodes[d].cached_prefix(&content, prompt),
             p_cached: p.map_or(0, |p| self.nodes[p].cached_prefix(&content, prompt)),
             mean_out_tokens: self.nodes[d].mean_out_harmonic().unwrap_or(self.mean_out),
+            pull_asks_pin: self.asks_pin,
         }
     }
 
