@@ -33,7 +33,8 @@ per-request timeout and wall time; every process started here is stopped at the 
     # user-space instructions per request (valgrind callgrind), for each router build given
     python bench/scripts/router_overhead.py --instructions 470 target/release/examples/serve_toml [OTHER_BUILD...]
 
-The load generator is built on first use (cargo --offline, into target/loadgen). vllm-router
+The load generator is built on first use (cargo, into target/loadgen; its crates are fetched
+from crates.io the first time). vllm-router
 comes from its own venv: python -m venv .venv-bench && .venv-bench/bin/pip install vllm-router.
 """
 
@@ -176,7 +177,7 @@ def build_loadgen() -> None:
     if LOADGEN.exists():
         return
     env = dict(os.environ, CARGO_TARGET_DIR=str(LOADGEN_TARGET))
-    subprocess.run(["cargo", "build", "--release", "--offline", "-q"], cwd=LOADGEN_DIR, env=env, check=True)
+    subprocess.run(["cargo", "build", "--release", "-q"], cwd=LOADGEN_DIR, env=env, check=True)
 
 
 def bodies(tmp: Path, max_tokens: int, d_url: str | None = None) -> tuple[Path, Path]:

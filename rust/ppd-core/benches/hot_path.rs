@@ -102,6 +102,14 @@ fn bench(c: &mut Criterion) {
             .observe_ttft(node, ppd_core::Path::Local, 64, 50.0, 60.0);
     }
     live_engine.set_cost_model(std::sync::Arc::new(model));
+    // Four decodes near their deadline: the deadline term weighs each path.
+    let mut at_risk = ppd_core::cost::AtRisk::default();
+    for i in 0..4u32 {
+        at_risk.offer(ppd_core::cost::Deadline {
+            time_left_ms: 5_000.0 + f64::from(i) * 100.0,
+            remaining_tokens: 400,
+        });
+    }
     let mut l = 0u32;
     c.bench_function("decide_ppd_live", |b| {
         b.iter(|| {
@@ -130,6 +138,7 @@ fn bench(c: &mut Criterion) {
                     p_cached: 0,
                     mean_out_tokens: 200.0,
                     pull_asks_pin: false,
+                    at_risk,
                 }),
                 ..DecisionInput::turn(2, 32 + (l % 900), 128, 2_048, 4.0)
             };

@@ -65,6 +65,83 @@ pub struct LiveView {
     /// A pull would first ask D for a pin (no whole answer named one): one
     /// more request on D, answered in its next step, before P starts.
     pub pull_asks_pin: bool,
+    /// The sequences decoding on D that are closest to the router's request
+    /// deadline (empty where the router knows none).
+    pub at_risk: AtRisk,
+}
+
+/// How many of D's decodes the deadline term looks at: the most pressed
+/// ones. A path's stall is the same for all of them, so the ones with the
+/// least time per remaining token are the ones it can push over.
+pub const AT_RISK: usize = 8;
+
+/// One decode on D and its deadline: the time left before the client gives
+/// up (the router's request timeout from when the request reached it) and
+/// the tokens it still has to produce.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Deadline {
+    pub time_left_ms: f64,
+    pub remaining_tokens: u32,
+}
+
+impl Deadline {
+    /// Time left per token still to come: the smaller, the closer to missing.
+    fn ms_per_token(&self) -> f64 {
+        self.time_left_ms / f64::from(self.remaining_tokens.max(1))
+    }
+
+    /// Whether it still ends in time at `tpot_ms` per token (inflated by
+    /// the relative `spread` of D's observed TPOTs) after `stall_ms` more.
+    pub fn meets(&self, tpot_ms: f64, spread: f64, stall_ms: f64) -> bool {
+        f64::from(self.remaining_tokens) * tpot_ms * (1.0 + spread) + stall_ms <= self.time_left_ms
+    }
+}
+
+/// The [`AT_RISK`] decodes on D with the least time left per remaining
+/// token, most pressed first; filled by whoever builds the [`LiveView`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct AtRisk(pub [Option<Deadline>; AT_RISK]);
+
+impl AtRisk {
+    /// Keeps `d` if it is among the most pressed so far. A decode past its
+    /// deadline already, or with nothing left to produce, cannot be saved
+    /// or harmed by a choice now.
+    pub fn offer(&mut self, d: Deadline) {
+        if d.time_left_ms <= 0.0 || d.remaining_tokens == 0 {
+            return;
+        }
+        let key = d.ms_per_token();
+        let at = self
+            .0
+            .iter()
+            .position(|x| x.is_none_or(|x| key < x.ms_per_token()));
+        if let Some(i) = at {
+            self.0.copy_within(i..AT_RISK - 1, i + 1);
+            self.0[i] = Some(d);
+        }
+    }
+
+    /// The stall a path inflicts on the decodes it presses: those that
+    /// would still end in time at D's stall-free pace (`free_tpot_ms`), but
+    /// not at its observed pace (`tpot_ms`, which carries the stalls of the
+    /// prefills around them on average) after this path's `stall_ms`. The
+    /// observed pace is what they get if prefills keep landing on D as
+    /// before; each stall spared them is time they need.
+    pub fn pressed_stall_ms(
+        &self,
+        free_tpot_ms: f64,
+        tpot_ms: f64,
+        spread: f64,
+        stall_ms: f64,
+    ) -> f64 {
+        let pressed = self
+            .0
+            .iter()
+            .flatten()
+            .filter(|d| d.meets(free_tpot_ms, 0.0, 0.0) && !d.meets(tpot_ms, spread, stall_ms))
+            .count();
+        pressed as f64 * stall_ms
+    }
 }
 
 /// The prediction for one path.
@@ -77,8 +154,14 @@ pub struct PathCost {
     pub tpot_added_ms: f64,
     /// How many sequences that is (D's running decodes).
     pub corunners: u32,
+    /// The time the request's prefill adds to each of those sequences in
+    /// all (`tpot_added_ms` before it is spread over their tokens), ms.
+    pub stall_ms: f64,
     /// D's decode step without this request's prefill: the TPOT of its batch, ms.
     pub base_tpot_ms: f64,
+    /// The same as the profile has it, with no correction: D's pace with no
+    /// prefill beside its decodes at all.
+    pub free_tpot_ms: f64,
     /// How far observed TTFTs spread around the prediction, relative (σ of
     /// ln(observed / predicted) on the node that computes it).
     pub ttft_spread: f64,
@@ -104,6 +187,8 @@ pub struct Forecast {
     pub pd: PathCost,
     pub local: PathCost,
     pub pull: PathCost,
+    /// D's decodes closest to their deadline (from the [`LiveView`]).
+    pub at_risk: AtRisk,
 }
 
 impl Forecast {
@@ -393,7 +478,9 @@ impl CostModel {
                 + on_d.engine_ms,
             tpot_added_ms: on_d.added_ms / mean_out,
             corunners: live.d.running,
+            stall_ms: on_d.added_ms,
             base_tpot_ms: on_d.base_ms,
+            free_tpot_ms: on_d.base_ms,
             ttft_spread: DEFAULT_SPREAD,
             tpot_spread: DEFAULT_SPREAD,
         };
@@ -410,7 +497,9 @@ impl CostModel {
                     + d_first.engine_ms,
                 tpot_added_ms: d_first.added_ms / mean_out,
                 corunners: live.d.running,
+                stall_ms: d_first.added_ms,
                 base_tpot_ms: d_first.base_ms,
+                free_tpot_ms: d_first.base_ms,
                 ttft_spread: DEFAULT_SPREAD,
                 tpot_spread: DEFAULT_SPREAD,
             }
@@ -422,7 +511,9 @@ impl CostModel {
                 ttft_ms: api.router_hop_ms + api.request_overhead_ms + direct.engine_ms,
                 tpot_added_ms: direct.added_ms / mean_out,
                 corunners: live.d.running,
+                stall_ms: direct.added_ms,
                 base_tpot_ms: direct.base_ms,
+                free_tpot_ms: direct.base_ms,
                 ttft_spread: DEFAULT_SPREAD,
                 tpot_spread: DEFAULT_SPREAD,
             };
@@ -430,6 +521,7 @@ impl CostModel {
                 pd,
                 local,
                 pull: pd,
+                at_risk: live.at_risk,
             };
         };
         let p_cached = cap(live.p_cached);
@@ -456,8 +548,14 @@ impl CostModel {
             // token (a step the decodes there wait for too).
             pull.ttft_ms += api.router_hop_ms + api.request_overhead_ms + d_first.engine_ms;
             pull.tpot_added_ms += d_first.added_ms / mean_out;
+            pull.stall_ms += d_first.added_ms;
         }
-        Forecast { pd, local, pull }
+        Forecast {
+            pd,
+            local,
+            pull,
+            at_risk: live.at_risk,
+        }
     }
 
     /// [`Self::predict`] with the learnt corrections applied.
@@ -485,6 +583,7 @@ impl CostModel {
         let tpot_spread = c.tpot_spread(d);
         for pc in [&mut f.pd, &mut f.local, &mut f.pull] {
             pc.tpot_added_ms *= t;
+            pc.stall_ms *= t;
             pc.base_tpot_ms *= t;
             pc.tpot_spread = tpot_spread;
         }
@@ -630,6 +729,7 @@ mod tests {
             p_cached: 0,
             mean_out_tokens: 200.0,
             pull_asks_pin: false,
+            at_risk: AtRisk::default(),
         }
     }
 

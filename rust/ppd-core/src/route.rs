@@ -102,10 +102,14 @@ pub enum Reason {
     PrefillIdle,
     /// Dynamo's decode-busy gate: the decode node is too busy to prefill locally.
     DecodeBusy,
+    /// `ppd-live`: the path its objective preferred would have pushed a
+    /// request decoding on D past its deadline (the router's request
+    /// timeout); this one does not, or fewer.
+    Deadline,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 26] = [
+    pub const ALL: [Reason; 27] = [
         Reason::Turn1,
         Reason::NoSession,
         Reason::DUnavailable,
@@ -132,6 +136,7 @@ impl Reason {
         Reason::PrefillBusy,
         Reason::PrefillIdle,
         Reason::DecodeBusy,
+        Reason::Deadline,
     ];
     pub fn as_str(self) -> &'static str {
         match self {
@@ -161,6 +166,7 @@ impl Reason {
             Reason::PrefillBusy => "prefill_busy",
             Reason::PrefillIdle => "prefill_idle",
             Reason::DecodeBusy => "decode_busy",
+            Reason::Deadline => "deadline",
         }
     }
 }

@@ -509,6 +509,16 @@ impl Engine {
         (n > 0).then(|| f64::from(n) / inv)
     }
 
+    /// The sequences decoding: (request id, tokens produced, tokens asked
+    /// for) — how far each is from its end, for a router's deadline term.
+    pub fn decoding(&self) -> impl Iterator<Item = (u64, u32, u32)> + '_ {
+        self.running.iter().filter_map(|&slot| {
+            let hot = &self.hot[slot];
+            let seq = self.slots[slot].as_ref()?;
+            (hot.computed >= hot.prompt_len).then_some((seq.id, hot.out, hot.max_out))
+        })
+    }
+
     /// Leading tokens of `content`'s first `prompt_len` that the prefix cache
     /// holds, capped as vLLM caps a hit (the last prompt token is computed).
     pub fn cached_prefix(&self, content: &Content, prompt_len: u32) -> u32 {

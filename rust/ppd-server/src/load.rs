@@ -11,6 +11,8 @@
 //! it stop counting on KV it no longer holds.
 
 use arc_swap::ArcSwapOption;
+use parking_lot::Mutex;
+use ppd_core::cost::{AtRisk, Deadline};
 use serde::Serialize;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -166,6 +168,24 @@ pub struct NodeLoad {
     /// Bumped each time the node's cache is known to have been emptied.
     epoch: AtomicU32,
     restarts: AtomicU64,
+    /// The router's requests decoding on the node, for the deadline term.
+    decodes: Mutex<Vec<Arc<Progress>>>,
+}
+
+/// A request the node decodes for the router: when the router gives up on
+/// it, and how many tokens of those asked for it has relayed so far.
+#[derive(Debug)]
+pub(crate) struct Progress {
+    deadline_ms: u64,
+    asked: u32,
+    produced: AtomicU32,
+}
+
+impl Progress {
+    /// One more token event relayed to the client.
+    pub fn token(&self) {
+        self.produced.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 /// Work the router has put on a node and not yet seen finish.
@@ -241,7 +261,34 @@ impl NodeLoad {
         WorkGuard {
             load: Arc::clone(self),
             work: w,
+            progress: None,
         }
+    }
+
+    /// Like [`Self::add`] for a request the node decodes, whose progress
+    /// the router follows against `deadline_ms` (router clock).
+    pub(crate) fn add_decode(self: &Arc<Self>, w: Work, deadline_ms: u64) -> WorkGuard {
+        let mut g = self.add(w);
+        let p = Arc::new(Progress {
+            deadline_ms,
+            asked: w.decode_tokens,
+            produced: AtomicU32::new(0),
+        });
+        self.decodes.lock().push(Arc::clone(&p));
+        g.progress = Some(p);
+        g
+    }
+
+    /// The router's decodes here closest to their deadline at `now_ms`.
+    pub fn at_risk(&self, now_ms: u64) -> AtRisk {
+        let mut a = AtRisk::default();
+        for p in self.decodes.lock().iter() {
+            a.offer(Deadline {
+                time_left_ms: p.deadline_ms as f64 - now_ms as f64,
+                remaining_tokens: p.asked.saturating_sub(p.produced.load(Ordering::Relaxed)),
+            });
+        }
+        a
     }
 
     pub fn snapshot(&self, inflight: u32, now_ms: u64, stale_after_ms: u64) -> LoadSnapshot {
@@ -305,11 +352,24 @@ impl NodeLoad {
 pub(crate) struct WorkGuard {
     load: Arc<NodeLoad>,
     work: Work,
+    progress: Option<Arc<Progress>>,
+}
+
+impl WorkGuard {
+    pub(crate) fn progress(&self) -> Option<&Progress> {
+        self.progress.as_deref()
+    }
 }
 
 impl Drop for WorkGuard {
     fn drop(&mut self) {
         let l = &self.load;
+        if let Some(p) = self.progress.take() {
+            let mut d = l.decodes.lock();
+            if let Some(i) = d.iter().position(|x| Arc::ptr_eq(x, &p)) {
+                d.swap_remove(i);
+            }
+        }
         l.prompt_tokens
             .fetch_sub(u64::from(self.work.prompt_tokens), Ordering::Relaxed);
         l.decode_tokens

@@ -287,9 +287,11 @@ impl Run<'_> {
             Some(a) => InflightGuard::admitted(Arc::clone(&d), a),
             None => InflightGuard::new(Arc::clone(&d)),
         }
-        .with_work(
+        .with_decode(
             self.plan
                 .decoder_work(st.cfg.kv_bytes_per_token, st.connector.moves_kv()),
+            // The router gives up on a request after its request timeout.
+            st.now_ms() + (st.cfg.request_timeout * 1000.0) as u64,
         );
         let who = node_name(d.role);
         let stream = self.call.view.is_stream();

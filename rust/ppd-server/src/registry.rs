@@ -145,6 +145,16 @@ impl InflightGuard {
         self._work = Some(self.node.load.add(work));
         self
     }
+    /// Counts a decode's `work` in the node's load while the request lasts,
+    /// and follows its tokens against `deadline_ms` (router clock).
+    pub(crate) fn with_decode(mut self, work: Work, deadline_ms: u64) -> Self {
+        self._work = Some(self.node.load.add_decode(work, deadline_ms));
+        self
+    }
+    /// The decode's progress, where [`Self::with_decode`] follows it.
+    pub(crate) fn progress(&self) -> Option<&crate::load::Progress> {
+        self._work.as_ref()?.progress()
+    }
     pub(crate) fn admitted(node: Arc<Node>, admitted: Admitted) -> Self {
         let mut guard = InflightGuard::new(node);
         guard._admitted = Some(admitted);

@@ -117,7 +117,7 @@ pub(crate) struct Relay {
     done: bool,
     /// `first_event` left events in the splitter for the first poll.
     read_ahead: bool,
-    _inflight: InflightGuard,
+    inflight: InflightGuard,
 }
 
 fn sse_error(message: &str) -> Bytes {
@@ -140,7 +140,7 @@ impl Relay {
             ticket: Some(ticket),
             done: false,
             read_ahead: false,
-            _inflight: inflight,
+            inflight,
         }
     }
 
@@ -186,8 +186,10 @@ impl Relay {
             answer,
             first_token,
             ticket,
+            inflight,
             ..
         } = self;
+        let progress = inflight.progress();
         splitter.take_events(|ev| {
             match classify(ev) {
                 EventKind::UsageOnly(u) => {
@@ -202,6 +204,9 @@ impl Relay {
                     }
                     if u.is_some() {
                         *usage = u;
+                    }
+                    if let Some(p) = progress {
+                        p.token();
                     }
                     if let Some(h) = answer.as_mut() {
                         crate::answer::feed_event(ev, h);

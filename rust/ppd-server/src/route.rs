@@ -220,6 +220,7 @@ fn live_view(
         p_cached,
         mean_out_tokens: dl.mean_out_harmonic().unwrap_or(f64::from(input.n_out)),
         pull_asks_pin: asks_pin(id, d) && !st.pulls.ready(&id.conv, (d.id, d.load.epoch()), now),
+        at_risk: d.load.at_risk(now),
     }
 }
 

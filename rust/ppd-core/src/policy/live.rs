@@ -7,7 +7,9 @@
 //! (the mean TPOT of all requests pays each of them). Or, with SLOs set, the
 //! path under which the most requests meet both: this one by its predicted
 //! TTFT, those decoding beside it by their TPOT after the stall it adds; the
-//! score breaks ties. Without live data the table's prior decides, as `ppd`.
+//! score breaks ties. Either way a path that would push a decode on D past
+//! its deadline (the router's request timeout) loses to one that would not.
+//! Without live data the table's prior decides, as `ppd`.
 
 use super::{ppd::PpdPolicy, Context, Policy, PolicyKind};
 use crate::cost::{Forecast, PathCost};
@@ -65,37 +67,63 @@ impl Policy for LivePolicy {
         let Some(f) = c.forecast else {
             return PpdPolicy.choose(c);
         };
-        let feasible = CANDIDATES
-            .into_iter()
-            .filter(|&p| p == Path::Pd || c.input.veto(p).is_none());
+        let feasible = || {
+            CANDIDATES
+                .into_iter()
+                .filter(|&p| p == Path::Pd || c.input.veto(p).is_none())
+        };
         // Goodput first (differences under a thousandth of a request are
         // ties), then the score.
-        let key = |p: Path| {
+        let objective = |p: Path| {
             let s = score(f, p, c.weights);
             match c.slo {
                 Some(slo) => ((goodput(&f.get(p), slo) * 1000.0).round(), s),
                 None => (0.0, s),
             }
         };
-        let mut best = (Path::Pd, key(Path::Pd));
-        for p in feasible.skip(1) {
-            let k = key(p);
-            if k > best.1 {
-                best = (p, k);
+        let best = |key: &dyn Fn(Path) -> (f64, f64, f64)| {
+            let mut best = (Path::Pd, key(Path::Pd));
+            for p in feasible().skip(1) {
+                let k = key(p);
+                if k > best.1 {
+                    best = (p, k);
+                }
             }
-        }
-        let reason = if c.slo.is_some() {
+            best.0
+        };
+        let unguarded = best(&|p| {
+            let (g, s) = objective(p);
+            (0.0, g, s)
+        });
+        // Before both: no decode on D pushed past its deadline that would
+        // have made it otherwise — a request the client gives up on is lost
+        // whole, whatever the other latencies gain.
+        let chosen = best(&|p| {
+            let pc = f.get(p);
+            let pressed = f.at_risk.pressed_stall_ms(
+                pc.free_tpot_ms,
+                pc.base_tpot_ms,
+                pc.tpot_spread,
+                pc.stall_ms,
+            );
+            let (g, s) = objective(p);
+            (-pressed, g, s)
+        });
+        let reason = if chosen != unguarded {
+            Reason::Deadline
+        } else if c.slo.is_some() {
             Reason::SloGoodput
         } else {
             Reason::CostModel
         };
-        (best.0, reason)
+        (chosen, reason)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cost::{AtRisk, Deadline, AT_RISK};
     use crate::grid::GridPoint;
     use crate::route::{DecisionInput, Residency, Scored};
 
@@ -104,7 +132,9 @@ mod tests {
             ttft_ms,
             tpot_added_ms,
             corunners,
+            stall_ms: tpot_added_ms * 100.0,
             base_tpot_ms: 10.0,
+            free_tpot_ms: 10.0,
             ttft_spread: crate::cost::DEFAULT_SPREAD,
             tpot_spread: crate::cost::DEFAULT_SPREAD,
         }
@@ -154,6 +184,7 @@ mod tests {
             pd: cost(200.0, 0.0, 4),
             local: cost(40.0, 0.01, 4),
             pull: cost(90.0, 0.0, 4),
+            ..Forecast::default()
         };
         let r = choose(&input(), Some(&f), Weights::default(), None);
         assert_eq!(r, (Path::Local, Reason::CostModel));
@@ -167,6 +198,7 @@ mod tests {
             pd: cost(200.0, 0.0, 200),
             local: cost(40.0, 0.05, 200),
             pull: cost(90.0, 0.0, 200),
+            ..Forecast::default()
         };
         assert_eq!(
             choose(&input(), Some(&f), Weights::default(), None).0,
@@ -185,6 +217,7 @@ mod tests {
             pd: cost(200.0, 0.0, 0),
             local: cost(1.0, 0.0, 0),
             pull: cost(2.0, 0.0, 0),
+            ..Forecast::default()
         };
         let lost = DecisionInput {
             residency: Residency::Lost,
@@ -211,6 +244,7 @@ mod tests {
             pd: cost(900.0, 0.0, 10),
             local: cost(300.0, 0.2, 10),
             pull: cost(450.0, 0.0, 10),
+            ..Forecast::default()
         };
         let slo = Slo {
             ttft_ms: 500.0,
@@ -241,6 +275,72 @@ mod tests {
             .0,
             Path::Local
         );
+    }
+
+    /// A decode on D with `time_left_ms` before its deadline and
+    /// `remaining` tokens to go.
+    fn pressed(time_left_ms: f64, remaining: u32) -> AtRisk {
+        let mut a = AtRisk::default();
+        a.offer(Deadline {
+            time_left_ms,
+            remaining_tokens: remaining,
+        });
+        a
+    }
+
+    #[test]
+    fn a_local_stall_that_would_push_a_decode_past_its_deadline_loses_to_pd() {
+        // Local's prefill stalls D's decodes 20 ms (cost(): 100 x its added
+        // TPOT); pd's first step 1 ms. A decode with 1,000 tokens to go at
+        // 10 ms each (1.1 with the spread) has 11,010 ms left: it ends in
+        // time after pd's stall and not after local's.
+        let f = Forecast {
+            pd: cost(200.0, 0.01, 8),
+            local: cost(40.0, 0.2, 8),
+            pull: cost(90.0, 0.0, 8),
+            at_risk: pressed(11_010.0, 1_000),
+        };
+        let no_pull = DecisionInput {
+            pull_ready: false,
+            ..input()
+        };
+        let w = Weights::new(1.0, 0.0).unwrap();
+        assert_eq!(
+            choose(&no_pull, Some(&f), w, None),
+            (Path::Pd, Reason::Deadline)
+        );
+        // With time to spare, or past saving even at D's stall-free pace,
+        // the objective alone decides.
+        for at_risk in [pressed(20_000.0, 1_000), pressed(9_000.0, 1_000)] {
+            let f = Forecast { at_risk, ..f };
+            assert_eq!(
+                choose(&no_pull, Some(&f), w, None),
+                (Path::Local, Reason::CostModel)
+            );
+        }
+        // Pull stalls D less than local does, and saves the decode too.
+        assert_eq!(
+            choose(&input(), Some(&f), w, None),
+            (Path::Pull, Reason::Deadline)
+        );
+    }
+
+    #[test]
+    fn the_most_pressed_decodes_are_kept_and_the_lost_ones_dropped() {
+        let mut a = AtRisk::default();
+        // Time left per remaining token 1..=12 ms, in a scrambled order,
+        // with one already past its deadline and one with nothing left.
+        let mut offered = vec![(-5.0, 100), (5_000.0, 0)];
+        offered.extend((0..12u32).map(|i| (f64::from((i * 7) % 12 + 1) * 100.0, 100)));
+        for (t, n) in offered {
+            a.offer(Deadline {
+                time_left_ms: t,
+                remaining_tokens: n,
+            });
+        }
+        let kept: Vec<f64> = a.0.iter().flatten().map(|d| d.time_left_ms).collect();
+        let most_pressed: Vec<f64> = (1..=AT_RISK as u32).map(|k| f64::from(k) * 100.0).collect();
+        assert_eq!(kept, most_pressed);
     }
 
     #[test]

@@ -14,6 +14,7 @@ use ahash::AHashMap;
 use serde::{Deserialize, Serialize};
 
 use ppd_core::catalog::Workload;
+use ppd_core::cost::{AtRisk, Deadline};
 use ppd_core::layout::{parse_sim_layout, Role};
 use ppd_core::placement::{capacity_of, DEFAULT_LOAD_BOUND};
 use ppd_core::qps::QpsEstimator;
@@ -496,7 +497,7 @@ impl<'a> Sim<'a> {
     /// several replicas, as the deciding one's last refresh read it; the
     /// prompt tokens D and the next P hold (KV events: the same truth at
     /// every replica).
-    fn live_view(&self, conv: u32, d: usize, prompt: u32) -> LiveView {
+    fn live_view(&self, t: f64, conv: u32, d: usize, prompt: u32) -> LiveView {
         let content = self.content(conv, prompt);
         let replica = &self.replicas[self.convs[conv as usize].replica as usize];
         let view = |n: usize| ppd_core::NodeView {
@@ -512,7 +513,29 @@ impl<'a> Sim<'a> {
             p_cached: p.map_or(0, |p| self.nodes[p].cached_prefix(&content, prompt)),
             mean_out_tokens: self.nodes[d].mean_out_harmonic().unwrap_or(self.mean_out),
             pull_asks_pin: self.asks_pin,
+            at_risk: self.at_risk(t, d, self.convs[conv as usize].replica),
         }
+    }
+
+    /// D's decodes closest to the client's timeout, which the router knows
+    /// as its own request timeout: each from when its turn was sent. A
+    /// replica knows only the requests it routed itself.
+    fn at_risk(&self, t: f64, d: usize, replica: u32) -> AtRisk {
+        let mut a = AtRisk::default();
+        let limit = self.cfg.timeout_s * 1000.0;
+        for (id, out, max_out) in self.nodes[d].decoding() {
+            let Some(r) = self.reqs.get(&id) else {
+                continue;
+            };
+            let c = &self.convs[r.conv as usize];
+            if c.replica == replica {
+                a.offer(Deadline {
+                    time_left_ms: c.sent + limit - t,
+                    remaining_tokens: max_out.saturating_sub(out),
+                });
+            }
+        }
+        a
     }
 
     /// The client sends the conversation's next turn at `t`; the router decides.
@@ -558,7 +581,7 @@ impl<'a> Sim<'a> {
         input.pull_ready = self.pulls && turn > 1 && c_d_holds(&self.convs[conv as usize]);
         let holder = self.convs[conv as usize].d.filter(|_| turn > 1);
         if let Some(d) = holder.filter(|_| c_d_holds(&self.convs[conv as usize])) {
-            input.live = Some(self.live_view(conv, d, prompt));
+            input.live = Some(self.live_view(t, conv, d, prompt));
         }
         let route = self.replicas[r].router.decide(&input)?;
         self.convs[conv as usize].predicted = Self::predicted(&route, &input);
@@ -631,7 +654,7 @@ impl<'a> Sim<'a> {
                         path: Path::Pd,
                         n_ctx,
                         n_in,
-                        live: self.live_view(conv, d, prompt),
+                        live: self.live_view(t, conv, d, prompt),
                     });
                 }
                 // Pull: P reads the context D holds over its link, then
