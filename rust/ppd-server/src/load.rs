@@ -570,4 +570,31 @@ process_start_time_seconds 1.76e9
         assert!(load.snapshot(0, 2000, 1500).scraped.is_some());
         assert!(load.snapshot(0, 2600, 1500).scraped.is_none());
     }
+
+    #[test]
+    fn a_decode_is_followed_against_its_deadline_until_it_ends() {
+        let load = Arc::new(NodeLoad::default());
+        let w = |tokens| Work {
+            decode_tokens: tokens,
+            ..Work::default()
+        };
+        let near = load.add_decode(w(100), 10_000);
+        let far = load.add_decode(w(100), 60_000);
+        for _ in 0..40 {
+            near.progress().unwrap().token();
+        }
+        let left: Vec<(f64, u32)> = load
+            .at_risk(4_000)
+            .0
+            .iter()
+            .flatten()
+            .map(|d| (d.time_left_ms, d.remaining_tokens))
+            .collect();
+        assert_eq!(left, [(6_000.0, 60), (56_000.0, 100)]);
+        drop(near);
+        let left = load.at_risk(4_000);
+        assert_eq!(left.0.iter().flatten().count(), 1);
+        drop(far);
+        assert_eq!(load.at_risk(4_000), AtRisk::default());
+    }
 }

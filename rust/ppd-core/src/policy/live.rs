@@ -97,15 +97,22 @@ impl Policy for LivePolicy {
         });
         // Before both: no decode on D pushed past its deadline that would
         // have made it otherwise — a request the client gives up on is lost
-        // whole, whatever the other latencies gain.
+        // whole, whatever the other latencies gain. Under SLOs only while
+        // D's decodes meet the TPOT objective: past it they are lost to
+        // goodput whether they time out or not.
+        let guarded = c.slo.is_none_or(|slo| f.pd.base_tpot_ms <= slo.tpot_ms);
         let chosen = best(&|p| {
             let pc = f.get(p);
-            let pressed = f.at_risk.pressed_stall_ms(
-                pc.free_tpot_ms,
-                pc.base_tpot_ms,
-                pc.tpot_spread,
-                pc.stall_ms,
-            );
+            let pressed = if guarded {
+                f.at_risk.pressed_stall_ms(
+                    pc.free_tpot_ms,
+                    pc.base_tpot_ms,
+                    pc.tpot_spread,
+                    pc.stall_ms,
+                )
+            } else {
+                0.0
+            };
             let (g, s) = objective(p);
             (-pressed, g, s)
         });
@@ -318,6 +325,24 @@ mod tests {
                 (Path::Local, Reason::CostModel)
             );
         }
+        // Under SLOs the deadline counts only while D's decodes meet the
+        // TPOT objective: past it they are lost to goodput anyway.
+        let missed_tpot = Slo {
+            ttft_ms: 500.0,
+            tpot_ms: 5.0,
+        };
+        assert_eq!(
+            choose(&no_pull, Some(&f), w, Some(missed_tpot)),
+            (Path::Local, Reason::SloGoodput)
+        );
+        let met_tpot = Slo {
+            tpot_ms: 50.0,
+            ..missed_tpot
+        };
+        assert_eq!(
+            choose(&no_pull, Some(&f), w, Some(met_tpot)),
+            (Path::Pd, Reason::Deadline)
+        );
         // Pull stalls D less than local does, and saves the decode too.
         assert_eq!(
             choose(&input(), Some(&f), w, None),
