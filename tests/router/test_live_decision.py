@@ -73,6 +73,45 @@ def test_an_idle_pd_appends_locally_and_a_busy_one_sends_the_turn_through_p(clus
         t.join(timeout=60)
 
 
+def test_the_router_follows_each_streamed_decode_against_its_deadline(cluster_factory) -> None:  # noqa: F811
+    c = cluster_factory({"P": 1, "pD": 1}, **LIVE, request_timeout=120)
+    pd = c.nodes["pD"][0]
+    body = {"model": "meta-llama/Llama-3.1-8B-Instruct", "messages": [user("a long answer, please")],
+            "max_tokens": LONG, "stream": True, "temperature": 0}
+    events: list[int] = []
+    done = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", c.url + "/v1/chat/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {") and '"content"' in line:
+                    events.append(1)
+        done.set()
+
+    t = threading.Thread(target=stream, daemon=True)
+    t.start()
+
+    def nearest() -> list[dict[str, Any]]:
+        nodes = c.admin("GET", "/admin/nodes").json()["nodes"]
+        return next(n for n in nodes if n["url"] == pd.url)["nearest_deadlines"]
+
+    wait_for(lambda: len(events) >= 20 and len(nearest()) == 1)
+    first = nearest()[0]
+    # The deadline is the router's request timeout from when D took the request; the tokens left
+    # are max_tokens less the token events relayed so far.
+    assert 100_000 < first["time_left_ms"] <= 120_000
+    assert first["remaining_tokens"] <= LONG - 20
+    wait_for(lambda: len(events) >= 60 or done.is_set())
+    later = nearest()
+    if not done.is_set():
+        assert later and later[0]["remaining_tokens"] < first["remaining_tokens"]
+        assert later[0]["time_left_ms"] < first["time_left_ms"]
+    t.join(timeout=60)
+    assert done.is_set() and len(events) > 60
+    # An answer that has ended is no longer followed.
+    wait_for(lambda: nearest() == [])
+
+
 def test_the_model_learns_each_nodes_speed_and_shows_it(cluster_factory) -> None:  # noqa: F811
     c = cluster_factory({"P": 1, "pD": 1}, **LIVE)
     for i in range(4):

@@ -217,6 +217,8 @@ pub fn node_list(st: &AppState) -> serde_json::Value {
                 "load": n.load_snapshot(now, crate::load::stale_after_ms(st.cfg.load_interval)),
                 "cache_epoch": n.load.epoch(), "restarts": n.load.restarts(),
                 "scrape_failures": n.load.scrape_failures(),
+                // The router's decodes here closest to their deadline (what ppd-live's deadline term weighs).
+                "nearest_deadlines": n.load.at_risk(now).0.iter().flatten().collect::<Vec<_>>(),
                 "residency": {"mode": n.kv.mode(), "kv_events": n.kv.endpoint, "blocks": n.kv.blocks(),
                               "events": n.kv.counts()},
             })
