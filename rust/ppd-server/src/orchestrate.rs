@@ -286,13 +286,19 @@ impl Run<'_> {
         let inflight = match admitted {
             Some(a) => InflightGuard::admitted(Arc::clone(&d), a),
             None => InflightGuard::new(Arc::clone(&d)),
-        }
-        .with_decode(
-            self.plan
-                .decoder_work(st.cfg.kv_bytes_per_token, st.connector.moves_kv()),
+        };
+        let work = self
+            .plan
+            .decoder_work(st.cfg.kv_bytes_per_token, st.connector.moves_kv());
+        // Only ppd-live weighs deadlines; under other policies the request
+        // path skips following each decode (a decode begun before a switch
+        // to ppd-live goes unseen until it ends).
+        let inflight = if st.engine.policy().predicts() {
             // The router gives up on a request after its request timeout.
-            st.now_ms() + (st.cfg.request_timeout * 1000.0) as u64,
-        );
+            inflight.with_decode(work, st.now_ms() + (st.cfg.request_timeout * 1000.0) as u64)
+        } else {
+            inflight.with_work(work)
+        };
         let who = node_name(d.role);
         let stream = self.call.view.is_stream();
         // A stream's head comes at once and its first token soon after: both
