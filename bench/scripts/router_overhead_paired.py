@@ -37,6 +37,8 @@ Every peer logs at warning level or not at all, as ppd-router does by default.
     python bench/scripts/router_overhead_paired.py --rates 500 2000 --reps 5 --duration 8 \
         --out bench/results/overhead-paired.json
     python bench/scripts/router_overhead_paired.py --report bench/results/overhead-paired.json
+    # where the CPU per request goes (syscalls, switches, user / kernel time), nginx beside each build
+    python bench/scripts/router_overhead_paired.py --kernel-split target/release/examples/serve_toml --reps 3 --duration 6
 
 Every process started here is stopped at the end; vllm-router and smg come from .venv-bench
 (python -m venv .venv-bench && .venv-bench/bin/pip install vllm-router smg), nginx from PATH or
@@ -49,6 +51,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -58,6 +61,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from router_overhead import (  # the sibling script's process and load helpers
+    LOADGEN,
     WARMUP,
     Procs,
     bodies,
@@ -101,6 +105,71 @@ ROUTER_OF = {"relay_t2": "relay", "nginx_local_t2": "nginx", "ppd_local_t2": "pp
              "ppd_pd_t1": "ppd", "vllm_pd_t1": "vllm", "smg_pd_t1": "smg_pd", "b_local_t2": "b", "b_pd_t1": "b"}
 
 
+def user_sys_seconds(pids: list[int]) -> tuple[float, float]:
+    """utime and stime of these processes (all their threads), from /proc."""
+    tck = os.sysconf("SC_CLK_TCK")
+    user = kernel = 0.0
+    for p in pids:
+        f = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        user += int(f[11]) / tck
+        kernel += int(f[12]) / tck
+    return user, kernel
+
+
+def kernel_split(args: argparse.Namespace, builds: list[str]) -> None:
+    """Where a proxy's CPU per request goes: the same Turn-2 load through nginx and each router build in
+    turn (same nodes, same run), with `perf stat` counting the proxy's syscalls and context switches and
+    /proc its user and kernel time. Counts do not depend on the machine's load; the times do, so compare
+    them within a repetition."""
+    build_loadgen()
+    tmp = Path(tempfile.mkdtemp(prefix="kernel-split-"))
+    procs = Procs(tmp)
+    targets = ["nginx", *[f"r{i}" for i in range(len(builds))]]
+    port = {k: free_port() for k in ("P", "D", *targets)}
+    url = {k: f"http://127.0.0.1:{v}" for k, v in port.items()}
+    ppd = str(Path(sys.executable).parent / "ppd-router")
+    events = "raw_syscalls:sys_enter,context-switches"
+    print("| rep | rate/s | target | requests | syscalls / req | switches / req | user µs / req | kernel µs / req | load |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    try:
+        start_nodes(procs, ppd, port, url)
+        t1, t2 = bodies(tmp, args.max_tokens, url["D"])
+        pid = {"nginx": start_nginx(procs, args.nginx, tmp, url, port["nginx"])[0]}
+        for i, b in enumerate(builds):
+            cfg = tmp / f"r{i}.toml"
+            cfg.write_text(f'port = {port[f"r{i}"]}\nprefill = ["{url["P"]}"]\npd_capable = ["{url["D"]}"]\n'
+                           'policy = "local"\n')
+            r = procs.start(f"r{i}", [*b.split(), str(cfg)])
+            wait_http(url[f"r{i}"] + "/health", 60, r)
+            pid[f"r{i}"] = r.pid
+        for rep in range(args.reps):
+            for rate in args.rates:
+                for name in targets:
+                    base = [str(LOADGEN), "--target", url[name], "--body", str(t2), "--sessions", "64",
+                            "--session-prefix", f"{name}-{rep}-{rate}-", "--timeout", "20", "--rate", str(rate)]
+                    subprocess.run([*base, "--duration", "1", "--prime-body", str(t1), "--warmup", "50"],
+                                   check=True, capture_output=True)
+                    kids = Path(f"/proc/{pid[name]}/task/{pid[name]}/children").read_text().split()
+                    pids = [pid[name], *map(int, kids)]
+                    perf = subprocess.Popen(["perf", "stat", "-x,", "-e", events, "-p", ",".join(map(str, pids))],
+                                            stderr=subprocess.PIPE, text=True)
+                    time.sleep(0.2)
+                    u0, k0 = user_sys_seconds(pids)
+                    m = json.loads(subprocess.run([*base, "--duration", str(args.duration), "--warmup", "0"],
+                                                  check=True, capture_output=True, text=True).stdout)
+                    u1, k1 = user_sys_seconds(pids)
+                    perf.send_signal(signal.SIGINT)
+                    counts = {f[2]: float(f[0]) for f in (x.split(",") for x in perf.communicate()[1].splitlines())
+                              if len(f) > 2 and f[0].replace(".", "").isdigit()}
+                    n = max(m["ok"], 1)
+                    who = "nginx" if name == "nginx" else builds[int(name[1:])]
+                    print(f"| {rep + 1} | {rate:g} | {who} | {m['ok']} | {counts.get('raw_syscalls:sys_enter', 0) / n:.2f} "
+                          f"| {counts.get('context-switches', 0) / n:.2f} | {(u1 - u0) / n * 1e6:.0f} "
+                          f"| {(k1 - k0) / n * 1e6:.0f} | {loadavg()} |", flush=True)
+    finally:
+        procs.stop_all()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--rates", type=float, nargs="+", default=[500.0, 2000.0], help="routed rates, req/s")
@@ -119,9 +188,16 @@ def main() -> None:
     ap.add_argument("--nginx", default=shutil.which("nginx") or "/usr/sbin/nginx")
     ap.add_argument("--out")
     ap.add_argument("--report", metavar="JSON", help="print the tables of a saved run and exit")
+    ap.add_argument("--kernel-split", nargs="+", metavar="BUILD",
+                    help="instead: per request, the syscalls, context switches and user / kernel CPU of nginx and "
+                    "of each router build (`BUILD CONFIG.toml`, e.g. the serve_toml example) on the local path, "
+                    "at each of --rates for --duration s, --reps times (perf stat and /proc)")
     args = ap.parse_args()
     if args.report:
         report(json.loads(Path(args.report).read_text()))
+        return
+    if args.kernel_split:
+        kernel_split(args, args.kernel_split)
         return
 
     build_loadgen()
