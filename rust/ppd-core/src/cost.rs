@@ -76,8 +76,9 @@ pub struct LiveView {
 pub const AT_RISK: usize = 8;
 
 /// One decode on D and its deadline: the time left before the client gives
-/// up (the router's request timeout from when the request reached it) and
-/// the tokens it still has to produce.
+/// up (the router's request timeout from when D took the request; the
+/// simulator's client timeout from when the turn was sent) and the tokens
+/// it still has to produce.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Deadline {
     pub time_left_ms: f64,

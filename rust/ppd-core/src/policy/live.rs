@@ -7,9 +7,9 @@
 //! (the mean TPOT of all requests pays each of them). Or, with SLOs set, the
 //! path under which the most requests meet both: this one by its predicted
 //! TTFT, those decoding beside it by their TPOT after the stall it adds; the
-//! score breaks ties. Either way a path that would push a decode on D past
-//! its deadline (the router's request timeout) loses to one that would not.
-//! Without live data the table's prior decides, as `ppd`.
+//! score breaks ties. Either way, first, the path that stalls least the
+//! decodes on D it would push past their deadline (the router's request
+//! timeout). Without live data the table's prior decides, as `ppd`.
 
 use super::{ppd::PpdPolicy, Context, Policy, PolicyKind};
 use crate::cost::{Forecast, PathCost};
