@@ -122,6 +122,11 @@ impl AtRisk {
         }
     }
 
+    /// The decodes kept, most pressed first.
+    pub fn iter(&self) -> impl Iterator<Item = &Deadline> {
+        self.0.iter().flatten()
+    }
+
     /// The stall a path inflicts on the decodes it presses: those that
     /// would still end in time at D's stall-free pace (`free_tpot_ms`), but
     /// not at its observed pace (`tpot_ms`, which carries the stalls of the
@@ -136,9 +141,7 @@ impl AtRisk {
         stall_ms: f64,
     ) -> f64 {
         let pressed = self
-            .0
             .iter()
-            .flatten()
             .filter(|d| d.meets(free_tpot_ms, 0.0, 0.0) && !d.meets(tpot_ms, spread, stall_ms))
             .count();
         pressed as f64 * stall_ms

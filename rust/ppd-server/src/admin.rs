@@ -218,7 +218,7 @@ pub fn node_list(st: &AppState) -> serde_json::Value {
                 "cache_epoch": n.load.epoch(), "restarts": n.load.restarts(),
                 "scrape_failures": n.load.scrape_failures(),
                 // The router's decodes here closest to their deadline (what ppd-live's deadline term weighs).
-                "nearest_deadlines": n.load.at_risk(now).0.iter().flatten().collect::<Vec<_>>(),
+                "nearest_deadlines": n.load.at_risk(now).iter().collect::<Vec<_>>(),
                 "residency": {"mode": n.kv.mode(), "kv_events": n.kv.endpoint, "blocks": n.kv.blocks(),
                               "events": n.kv.counts()},
             })

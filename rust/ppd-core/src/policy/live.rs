@@ -67,11 +67,6 @@ impl Policy for LivePolicy {
         let Some(f) = c.forecast else {
             return PpdPolicy.choose(c);
         };
-        let feasible = || {
-            CANDIDATES
-                .into_iter()
-                .filter(|&p| p == Path::Pd || c.input.veto(p).is_none())
-        };
         // Goodput first (differences under a thousandth of a request are
         // ties), then the score.
         let objective = |p: Path| {
@@ -81,29 +76,14 @@ impl Policy for LivePolicy {
                 None => (0.0, s),
             }
         };
-        let best = |key: &dyn Fn(Path) -> (f64, f64, f64)| {
-            let mut best = (Path::Pd, key(Path::Pd));
-            for p in feasible().skip(1) {
-                let k = key(p);
-                if k > best.1 {
-                    best = (p, k);
-                }
-            }
-            best.0
-        };
-        let unguarded = best(&|p| {
-            let (g, s) = objective(p);
-            (0.0, g, s)
-        });
         // Before both: no decode on D pushed past its deadline that would
         // have made it otherwise — a request the client gives up on is lost
         // whole, whatever the other latencies gain. Under SLOs only while
         // D's decodes meet the TPOT objective: past it they are lost to
         // goodput whether they time out or not.
         let guarded = c.slo.is_none_or(|slo| f.pd.base_tpot_ms <= slo.tpot_ms);
-        let chosen = best(&|p| {
-            let pc = f.get(p);
-            let pressed = if guarded {
+        let pressed = |pc: PathCost| {
+            if guarded {
                 f.at_risk.pressed_stall_ms(
                     pc.free_tpot_ms,
                     pc.base_tpot_ms,
@@ -112,10 +92,27 @@ impl Policy for LivePolicy {
                 )
             } else {
                 0.0
-            };
-            let (g, s) = objective(p);
-            (-pressed, g, s)
-        });
+            }
+        };
+        // Each feasible path keyed once; the choice with the deadline term
+        // and the one without it (which says whether the term decided).
+        let key = |p: Path| (p, -pressed(f.get(p)), objective(p));
+        // Pd first: it is always feasible, and wins ties.
+        let pd = key(Path::Pd);
+        let (mut chosen, mut unguarded) = (pd, pd);
+        let feasible = CANDIDATES[1..]
+            .iter()
+            .copied()
+            .filter(|&p| c.input.veto(p).is_none());
+        for k in feasible.map(key) {
+            if k.2 > unguarded.2 {
+                unguarded = k;
+            }
+            if (k.1, k.2) > (chosen.1, chosen.2) {
+                chosen = k;
+            }
+        }
+        let (chosen, unguarded) = (chosen.0, unguarded.0);
         let reason = if chosen != unguarded {
             Reason::Deadline
         } else if c.slo.is_some() {
