@@ -4,10 +4,33 @@
 //! kv_transfer_params, …) of bodies that may carry long histories; only the
 //! top-level keys are read, every value is copied through as raw text.
 
-use serde::de::{Deserializer, MapAccess, Visitor};
+use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, Visitor};
 use serde_json::value::RawValue;
 use std::borrow::Cow;
 use std::fmt;
+
+/// A top-level key, borrowed from the body unless it holds escapes (serde's
+/// own `Cow<str>` always copies: one allocation per key).
+struct Key<'a>(Cow<'a, str>);
+
+impl<'de> serde::Deserialize<'de> for Key<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Key<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_borrowed_str<E>(self, s: &'de str) -> Result<Self::Value, E> {
+                Ok(Key(Cow::Borrowed(s)))
+            }
+            fn visit_str<E>(self, s: &str) -> Result<Self::Value, E> {
+                Ok(Key(Cow::Owned(s.to_owned())))
+            }
+        }
+        d.deserialize_str(V)
+    }
+}
 
 struct TopLevel<'a>(Vec<(Cow<'a, str>, &'a RawValue)>);
 
@@ -21,7 +44,7 @@ impl<'de> serde::Deserialize<'de> for TopLevel<'de> {
             }
             fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<Self::Value, A::Error> {
                 let mut out: Vec<(Cow<'de, str>, &'de RawValue)> = Vec::new();
-                while let Some((k, v)) = m.next_entry::<Cow<'de, str>, &'de RawValue>()? {
+                while let Some((Key(k), v)) = m.next_entry::<Key<'de>, &'de RawValue>()? {
                     // A repeated key keeps its first position and its last value, as JSON parsers do.
                     match out.iter_mut().find(|(ok, _)| *ok == k) {
                         Some(slot) => slot.1 = v,
@@ -78,8 +101,18 @@ pub enum Edit<'a> {
 }
 
 /// Applies the edits in order; set keys keep their position when present and
-/// are appended otherwise. Fails only on a body that is not a JSON object.
+/// are appended otherwise. When the edits only add keys, the client's bytes
+/// are kept as sent (whitespace included) and the keys go before the closing
+/// brace. Fails only on a body that is not a JSON object.
 pub fn rewrite(body: &str, edits: &[Edit<'_>]) -> Result<String, serde_json::Error> {
+    match appended(body, edits)? {
+        Some(out) => Ok(out),
+        None => rewritten_whole(body, edits),
+    }
+}
+
+/// The rewrite of every top-level entry: keys written anew, values copied.
+fn rewritten_whole(body: &str, edits: &[Edit<'_>]) -> Result<String, serde_json::Error> {
     let TopLevel(mut fields) = serde_json::from_str::<TopLevel<'_>>(body)?;
     let mut owned: Vec<(Cow<'_, str>, Cow<'_, str>)> = fields
         .drain(..)
@@ -100,12 +133,105 @@ pub fn rewrite(body: &str, edits: &[Edit<'_>]) -> Result<String, serde_json::Err
         if i > 0 {
             out.push(',');
         }
-        out.push_str(&serde_json::to_string(k.as_ref())?);
+        push_key(&mut out, k)?;
         out.push(':');
         out.push_str(v);
     }
     out.push('}');
     Ok(out)
+}
+
+/// The body with the edits spliced in before its closing brace, when every
+/// edit sets a key the body lacks (and none is set twice) and the body has
+/// no repeated key: what the full rewrite would write, less the
+/// re-serialisation of every entry the client sent (a stream's added
+/// `stream_options`, on every request of the local path). `None` when the
+/// full rewrite must run.
+fn appended(body: &str, edits: &[Edit<'_>]) -> Result<Option<String>, serde_json::Error> {
+    let sets_once = edits.iter().enumerate().all(|(i, e)| match e {
+        Edit::Set(k, _) => !edits[..i].iter().any(|p| set_key(p) == Some(*k)),
+        Edit::Remove(_) => false,
+    });
+    if !sets_once {
+        return Ok(None);
+    }
+    let mut de = serde_json::Deserializer::from_str(body);
+    let scan = KeyScan(edits).deserialize(&mut de)?;
+    de.end()?;
+    let Some(empty) = scan else {
+        return Ok(None);
+    };
+    // A parsed object ends at its last byte that is not JSON whitespace.
+    let close = body.trim_end_matches([' ', '\t', '\n', '\r']).len() - 1;
+    let mut out = String::with_capacity(body.len() + 64);
+    out.push_str(&body[..close]);
+    for (i, e) in edits.iter().enumerate() {
+        if let Edit::Set(k, v) = e {
+            if i > 0 || !empty {
+                out.push(',');
+            }
+            push_key(&mut out, k)?;
+            out.push(':');
+            out.push_str(v);
+        }
+    }
+    out.push_str(&body[close..]);
+    Ok(Some(out))
+}
+
+/// The key an edit sets, if it sets one.
+fn set_key<'a>(e: &Edit<'a>) -> Option<&'a str> {
+    match *e {
+        Edit::Set(k, _) => Some(k),
+        Edit::Remove(_) => None,
+    }
+}
+
+/// Reads a body's top-level keys, values unread: `Some(whether the object
+/// is empty)` when none of the given keys is there and no key repeats, else
+/// `None` (a repeated key collapses in the full rewrite; splicing would keep
+/// both).
+struct KeyScan<'e>(&'e [Edit<'e>]);
+
+impl<'de> DeserializeSeed<'de> for KeyScan<'_> {
+    type Value = Option<bool>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for KeyScan<'_> {
+    type Value = Option<bool>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON object")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<Self::Value, A::Error> {
+        // One allocation for the usual body's handful of keys.
+        let mut seen: Vec<Cow<'de, str>> = Vec::with_capacity(8);
+        let mut clash = false;
+        while let Some(Key(k)) = m.next_key::<Key<'de>>()? {
+            m.next_value::<IgnoredAny>()?;
+            if clash {
+                continue;
+            }
+            clash = seen.contains(&k) || self.0.iter().any(|e| set_key(e) == Some(k.as_ref()));
+            seen.push(k);
+        }
+        Ok((!clash).then_some(seen.is_empty()))
+    }
+}
+
+/// `k` as a JSON string, as `serde_json::to_string` writes it, without its
+/// allocation when nothing needs escaping (the usual key).
+fn push_key(out: &mut String, k: &str) -> Result<(), serde_json::Error> {
+    if k.bytes().any(|b| b == b'"' || b == b'\\' || b < 0x20) {
+        out.push_str(&serde_json::to_string(k)?);
+    } else {
+        out.push('"');
+        out.push_str(k);
+        out.push('"');
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -168,5 +294,96 @@ mod tests {
         assert!(rewrite("[1,2]", &[]).is_err());
         assert!(rewrite("{", &[]).is_err());
         assert!(rewrite("", &[]).is_err());
+        let add = [Edit::Set("k", "1".into())];
+        assert!(rewrite("[1,2]", &add).is_err());
+        assert!(rewrite(r#"{"a":1} x"#, &add).is_err());
+        assert!(rewrite(r#"{"a":1,}"#, &add).is_err());
+        assert!(rewrite("", &add).is_err());
+    }
+
+    const USAGE: &str = r#"{"include_usage":true}"#;
+
+    #[test]
+    fn added_keys_go_before_the_closing_brace_of_the_clients_bytes() {
+        let body =
+            r#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": true}"#;
+        let out = rewrite(body, &[Edit::Set("stream_options", USAGE.into())]).unwrap();
+        assert_eq!(
+            out,
+            r#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": true,"stream_options":{"include_usage":true}}"#
+        );
+        let two = rewrite(
+            body,
+            &[Edit::Set("a", "1".into()), Edit::Set("b", "2".into())],
+        )
+        .unwrap();
+        assert!(two.ends_with(r#""stream": true,"a":1,"b":2}"#), "{two}");
+    }
+
+    #[test]
+    fn an_empty_object_gets_no_leading_comma() {
+        let add = [Edit::Set("k", "1".into()), Edit::Set("j", "2".into())];
+        assert_eq!(rewrite("{}", &add).unwrap(), r#"{"k":1,"j":2}"#);
+        assert_eq!(rewrite(" { \n} ", &add).unwrap(), " { \n\"k\":1,\"j\":2} ");
+    }
+
+    #[test]
+    fn whitespace_after_the_closing_brace_is_kept() {
+        let out = rewrite("{\"a\":1}\r\n\t ", &[Edit::Set("k", "2".into())]).unwrap();
+        assert_eq!(out, "{\"a\":1,\"k\":2}\r\n\t ");
+    }
+
+    #[test]
+    fn a_key_the_body_has_is_replaced_in_place_even_when_escaped() {
+        let body = r#"{"strea\u006d":true,"n":1}"#;
+        let out = rewrite(body, &[Edit::Set("stream", "false".into())]).unwrap();
+        assert_eq!(out, r#"{"stream":false,"n":1}"#);
+    }
+
+    #[test]
+    fn repeated_keys_in_the_body_collapse_even_when_only_adding() {
+        let out = rewrite(r#"{"k":1,"j":2,"k":3}"#, &[Edit::Set("x", "0".into())]).unwrap();
+        assert_eq!(out, r#"{"k":3,"j":2,"x":0}"#);
+    }
+
+    #[test]
+    fn a_key_set_twice_appears_once_with_the_last_value() {
+        let edits = [Edit::Set("k", "1".into()), Edit::Set("k", "2".into())];
+        assert_eq!(rewrite(r#"{"a":0}"#, &edits).unwrap(), r#"{"a":0,"k":2}"#);
+    }
+
+    #[test]
+    fn added_keys_that_need_escapes_are_escaped() {
+        let out = rewrite("{}", &[Edit::Set("a\"b\\c\n", "1".into())]).unwrap();
+        assert_eq!(out, r#"{"a\"b\\c\n":1}"#);
+        let v: Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v, json!({"a\"b\\c\n": 1}));
+    }
+
+    proptest::proptest! {
+        /// Splicing and the whole rewrite say the same thing, key for key and
+        /// in the same order: the spliced body, itself rewritten whole, is the
+        /// whole rewrite of the original.
+        #[test]
+        fn splicing_says_what_the_whole_rewrite_says(
+            entries in proptest::collection::vec(("[a-d]", 0u8..9, "[ \n]{0,2}"), 0..5),
+            adds in proptest::collection::vec(("[a-f]", 0u8..9), 0..3),
+            tail in "[ \t\r\n]{0,2}",
+        ) {
+            let inner: Vec<String> = entries
+                .iter()
+                .map(|(k, v, ws)| format!("{ws}\"{k}\"{ws}:{ws}{v}{ws}"))
+                .collect();
+            let body = format!("{{{}}}{tail}", inner.join(","));
+            let edits: Vec<Edit<'_>> = adds
+                .iter()
+                .map(|(k, v)| Edit::Set(k.as_str(), v.to_string().into()))
+                .collect();
+            let out = rewrite(&body, &edits).unwrap();
+            proptest::prop_assert_eq!(
+                rewritten_whole(&out, &[]).unwrap(),
+                rewritten_whole(&body, &edits).unwrap()
+            );
+        }
     }
 }
