@@ -1006,17 +1006,21 @@ impl Ctx {
         }
     }
 
-    fn chunk(&self, choice: Value, usage: Option<Value>) -> String {
+    fn chunk(&self, choice: impl std::fmt::Display, usage: Option<Value>) -> String {
         let object = if self.ep == Endpoint::Chat {
             "chat.completion.chunk"
         } else {
             "text_completion"
         };
-        let mut v = json!({"id": self.name, "object": object, "created": self.created, "model": self.s.model, "choices": choice});
-        if let Some(u) = usage {
-            v["usage"] = u;
-        }
-        format!("data: {v}\n\n")
+        // In vLLM's order (its pydantic models' fields), not serde_json's
+        // sorted one: clients and the router read vLLM's bytes.
+        let usage = usage.map_or(String::new(), |u| format!(",\"usage\":{u}"));
+        format!(
+            "data: {{\"id\":{},\"object\":\"{object}\",\"created\":{},\"model\":{},\"choices\":{choice}{usage}}}\n\n",
+            Value::from(self.name.as_str()),
+            self.created,
+            self.model_json
+        )
     }
 
     /// One token's SSE event, written directly (the hot path: one per token per stream).
@@ -1223,7 +1227,10 @@ impl StreamState {
                     self.last = now;
                 }
                 if !self.choices[c].started && self.ctx.ep == Endpoint::Chat {
-                    let role = json!([{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]);
+                    // vLLM's first chunk of a choice: its role, in vLLM's field order.
+                    let role = format!(
+                        r#"[{{"index":{c},"delta":{{"role":"assistant","content":""}},"logprobs":null,"finish_reason":null}}]"#
+                    );
                     buf.push_str(&self.ctx.chunk(role, None));
                 }
                 self.choices[c].started = true;

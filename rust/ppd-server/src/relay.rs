@@ -18,7 +18,10 @@ use crate::bookkeeping::{Counted, Ticket};
 use crate::client::Answer;
 use crate::config::{RouteHeaders, RouterConfig};
 use crate::registry::{InflightGuard, Node};
-use crate::sse::{classify, without_router_fields, EventKind, EventSplitter, Pass, Usage};
+use crate::sse::{
+    classify, is_done, token_chunk, usage_chunk, without_router_fields, EventKind, EventSplitter,
+    Pass, Usage,
+};
 use crate::upstream::read_all;
 
 /// Marks the answer as routed and says how, as far as `route_headers`
@@ -191,7 +194,27 @@ impl Relay {
         } = self;
         let progress = inflight.progress();
         splitter.take_events(|ev| {
-            match classify(ev) {
+            // Nearly every event is a token: read in one pass.
+            if let Some(text) = token_chunk(ev) {
+                if first_token.is_none() {
+                    *first_token = Some(Instant::now());
+                }
+                if let Some(p) = progress {
+                    p.token();
+                }
+                if let Some(h) = answer.as_mut() {
+                    h.update(&text);
+                }
+                return Pass::Keep;
+            }
+            let kind = if is_done(ev) {
+                EventKind::Done
+            } else if let Some(u) = usage_chunk(ev) {
+                EventKind::UsageOnly(u)
+            } else {
+                classify(ev)
+            };
+            match kind {
                 EventKind::UsageOnly(u) => {
                     *usage = Some(u);
                     if *drop_usage {

@@ -126,6 +126,86 @@ pub fn classify(event: &[u8]) -> EventKind {
     }
 }
 
+/// The text of a plain token chunk, read in one pass: the event is exactly
+/// what vLLM streams for a token (or for the role that opens an answer),
+/// `data: {"id":…,"object":"chat.completion.chunk","created":…,"model":…,
+/// "choices":[{"index":0,"delta":{"content":TEXT},"logprobs":null,
+/// "finish_reason":null}]}` (`"token_ids":null` before the `}` as current
+/// vLLM writes it, `"role":"assistant",` before the content in the answer's
+/// first chunk), so it is data without usage, names no
+/// router-only field, goes out as it came and adds TEXT to the answer. The
+/// relay needs nothing else from it, and checking the shape costs a fraction
+/// of classifying the event, searching it for router fields and parsing its
+/// text one after another (~3,100 instructions a token in callgrind). Only
+/// the two strings are searched, and only TEXT is parsed; `None` for any
+/// other event, which the relay reads the general way.
+pub(crate) fn token_chunk(event: &[u8]) -> Option<Cow<'_, str>> {
+    const CHOICE_0: &[u8] = b",\"choices\":[{\"index\":0,\"delta\":{";
+    const ROLE: &[u8] = b"\"role\":\"assistant\",";
+    const CONTENT: &[u8] = b"\"content\":";
+    const TAIL: &[u8] = b"},\"logprobs\":null,\"finish_reason\":null";
+    // vLLM names the token ids it was not asked for as null.
+    const NO_TOKEN_IDS: &[u8] = b",\"token_ids\":null";
+    let rest = vllm_head(event)?.strip_prefix(CHOICE_0)?;
+    let rest = rest.strip_prefix(ROLE).unwrap_or(rest);
+    let json = rest.strip_prefix(CONTENT)?;
+    let (text, end) = json_string(json)?;
+    let rest = json[end..].strip_prefix(TAIL)?;
+    let rest = rest.strip_prefix(NO_TOKEN_IDS).unwrap_or(rest);
+    (rest == b"}]}").then_some(text)
+}
+
+/// The usage of vLLM's last chunk, `data: {"id":…,"object":…,"created":…,
+/// "model":…,"choices":[],"usage":{…}}`, read from where the usage starts
+/// (the head checked, not parsed); `None` for any other event.
+pub(crate) fn usage_chunk(event: &[u8]) -> Option<Usage> {
+    use serde::Deserialize as _;
+    const USAGE: &[u8] = b",\"choices\":[],\"usage\":";
+    let json = vllm_head(event)?.strip_prefix(USAGE)?;
+    let mut de = serde_json::Deserializer::from_slice(json.strip_suffix(b"}")?);
+    let usage = Usage::deserialize(&mut de).ok()?;
+    de.end().ok()?;
+    Some(usage)
+}
+
+/// Whether the event is `data: [DONE]`, as vLLM ends every stream.
+pub(crate) fn is_done(event: &[u8]) -> bool {
+    event == b"data: [DONE]\n\n"
+}
+
+/// What follows the fields vLLM writes before a chunk's `choices`, in the
+/// event's single data line: `{"id":…,"object":"chat.completion.chunk",
+/// "created":…,"model":…` — none of them a field the relay acts on.
+fn vllm_head(event: &[u8]) -> Option<&[u8]> {
+    const OBJECT: &[u8] = b",\"object\":\"chat.completion.chunk\",\"created\":";
+    const MODEL: &[u8] = b",\"model\":";
+    let data = single_data_line(event)?;
+    let rest = plain_string(data.strip_prefix(b"{\"id\":")?)?;
+    let rest = rest.strip_prefix(OBJECT)?;
+    let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+    plain_string(rest[digits..].strip_prefix(MODEL)?)
+}
+
+/// What follows a JSON string without escapes at the start of `s`; `None`
+/// where `s` starts with anything else (ids and model names have none).
+fn plain_string(s: &[u8]) -> Option<&[u8]> {
+    let body = s.strip_prefix(b"\"")?;
+    let close = memchr::memchr2(b'"', b'\\', body)?;
+    (body[close] == b'"').then(|| &body[close + 1..])
+}
+
+/// The JSON string at the start of `json`, unescaped (borrowed where it has
+/// no escapes: serde's `Cow` would always copy), and where it ends.
+fn json_string(json: &[u8]) -> Option<(Cow<'_, str>, usize)> {
+    let mut borrowed = serde_json::Deserializer::from_slice(json).into_iter::<&str>();
+    if let Some(Ok(t)) = borrowed.next() {
+        return Some((Cow::Borrowed(t), borrowed.byte_offset()));
+    }
+    let mut owned = serde_json::Deserializer::from_slice(json).into_iter::<String>();
+    let t = owned.next()?.ok()?;
+    Some((Cow::Owned(t), owned.byte_offset()))
+}
+
 /// What the relay does with one event.
 pub enum Pass {
     Keep,
@@ -240,6 +320,7 @@ impl EventSplitter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ppd_core::identity::ContentHasher;
 
     #[test]
     fn events_split_across_chunks_are_reassembled() {
@@ -322,6 +403,111 @@ mod tests {
             &out[..],
             b"data: {\"choices\":[1]}\n\ndata: {\"choices\":[2]}\n\n"
         );
+    }
+
+    fn vllm_chunk(delta: &str, tail: &str) -> Vec<u8> {
+        format!(
+            "data: {{\"id\":\"chatcmpl-7f3a\",\"object\":\"chat.completion.chunk\",\"created\":1765100000,\"model\":\"meta-llama/Llama-3.1-8B-Instruct\",\"choices\":[{{\"index\":0,\"delta\":{{{delta}}},\"logprobs\":null,\"finish_reason\":{tail}}}]}}\n\n"
+        )
+        .into_bytes()
+    }
+
+    #[test]
+    fn a_vllm_token_chunk_is_read_in_one_pass() {
+        let plain = vllm_chunk(r#""content":" the""#, "null");
+        assert_eq!(token_chunk(&plain).as_deref(), Some(" the"));
+        let with_ids = vllm_chunk(r#""content":"a \"b\" \u00e9""#, r#"null,"token_ids":null"#);
+        assert_eq!(token_chunk(&with_ids).as_deref(), Some("a \"b\" é"));
+        let role = vllm_chunk(r#""role":"assistant","content":"""#, "null");
+        assert_eq!(token_chunk(&role).as_deref(), Some(""));
+    }
+
+    #[test]
+    fn every_other_event_goes_the_general_way() {
+        for ev in [
+            vllm_chunk(r#""content":"x""#, r#""stop""#),
+            vllm_chunk(r#""content":"x""#, r#"null,"token_ids":[5]"#),
+            vllm_chunk(r#""content":"x","reasoning":"y""#, "null"),
+            vllm_chunk(r#""content":"x""#, "null").replace_str(
+                "}]}",
+                r#"}],"usage":{"prompt_tokens":1,"completion_tokens":1}}"#,
+            ),
+            vllm_chunk(r#""content":"x""#, "null")
+                .replace_str("}]}", r#"}],"kv_transfer_params":{"remote_host":"h"}}"#),
+            vllm_chunk(r#""content":"x""#, "null").replace_str(r#""index":0"#, r#""index":1"#),
+            vllm_chunk(r#""content":"x""#, "null").replace_str("Llama", r#"Ll\"ama"#),
+            vllm_chunk(r#""content":"x""#, "null").replace_str("\n\n", "\r\n\r\n"),
+            b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n".to_vec(),
+            b"data: {\"error\":{\"message\":\"x\"}}\n\n".to_vec(),
+            b"data: [DONE]\n\n".to_vec(),
+            b": keep-alive\n\n".to_vec(),
+        ] {
+            assert_eq!(token_chunk(&ev), None, "{}", String::from_utf8_lossy(&ev));
+        }
+    }
+
+    #[test]
+    fn vllm_s_usage_chunk_and_end_are_read_without_a_parse_of_the_rest() {
+        let usage = b"data: {\"id\":\"chatcmpl-7f3a\",\"object\":\"chat.completion.chunk\",\"created\":1765100000,\"model\":\"m\",\"choices\":[],\"usage\":{\"prompt_tokens\":12,\"total_tokens\":17,\"completion_tokens\":5}}\n\n";
+        let expect = Usage {
+            prompt_tokens: 12,
+            completion_tokens: 5,
+        };
+        assert_eq!(usage_chunk(usage), Some(expect));
+        assert_eq!(classify(usage), EventKind::UsageOnly(expect));
+        // Anything after the usage (a router-only field) is left to the general way.
+        let more = String::from_utf8_lossy(usage).replace("}}\n", "},\"kv_transfer_params\":{}}\n");
+        assert_eq!(usage_chunk(more.as_bytes()), None);
+        assert_eq!(usage_chunk(&vllm_chunk(r#""content":"x""#, "null")), None);
+        assert!(is_done(b"data: [DONE]\n\n"));
+        assert_eq!(classify(b"data: [DONE]\n\n"), EventKind::Done);
+        assert!(!is_done(b"data: [DONE]\r\n\r\n"));
+    }
+
+    trait ReplaceStr {
+        fn replace_str(self, from: &str, to: &str) -> Vec<u8>;
+    }
+    impl ReplaceStr for Vec<u8> {
+        fn replace_str(self, from: &str, to: &str) -> Vec<u8> {
+            String::from_utf8(self)
+                .unwrap()
+                .replacen(from, to, 1)
+                .into_bytes()
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2000))]
+        /// Whatever the one-pass read takes, the general reading would
+        /// have treated alike: data without usage, no router field, the
+        /// same text added to the answer.
+        #[test]
+        fn the_one_pass_read_agrees_with_the_general_one(
+            text in "(?s).{0,12}",
+            role in proptest::bool::ANY,
+            finish in proptest::sample::select(vec!["null", r#""stop""#, r#"null,"token_ids":null"#, r#"null,"usage":null"#]),
+            extra in proptest::sample::select(vec!["", r#","usage":{"prompt_tokens":2,"completion_tokens":3}"#, r#","kv_transfer_params":{"a":1}"#, r#","error":{"message":"m"}"#]),
+        ) {
+            let content = serde_json::to_string(&text).unwrap();
+            let delta = if role {
+                format!(r#""role":"assistant","content":{content}"#)
+            } else {
+                format!(r#""content":{content}"#)
+            };
+            let ev = vllm_chunk(&delta, finish).replace_str("}]}", &format!("}}]{extra}}}"));
+            let plain = extra.is_empty() && (finish == "null" || finish.contains("token_ids"));
+            let read = token_chunk(&ev);
+            proptest::prop_assert_eq!(read.is_some(), plain);
+            if let Some(t) = read {
+                proptest::prop_assert_eq!(t.as_ref(), text.as_str());
+                proptest::prop_assert_eq!(classify(&ev), EventKind::Data { usage: None });
+                proptest::prop_assert!(without_router_fields(&ev).is_none());
+                let (mut general, mut fast) = (ContentHasher::new(), ContentHasher::new());
+                crate::answer::feed_event(&ev, &mut general);
+                fast.update(&t);
+                proptest::prop_assert_eq!(general.digest(), fast.digest());
+            }
+        }
     }
 
     /// The splitter and classifier before they were tuned, as references.
