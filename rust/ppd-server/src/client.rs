@@ -150,6 +150,21 @@ impl NodeClient {
     }
 }
 
+/// The `Host` header hyper's client writes for `uri` (its host, and its port
+/// unless the scheme's default), for a node's calls to carry from the start:
+/// built once per node instead of by hyper on each call (a `format!` and a
+/// header value, ~2,200 instructions of the local path's request).
+pub(crate) fn host_header(uri: &Uri) -> Option<HeaderValue> {
+    let host = uri.host()?;
+    let secure = matches!(uri.scheme_str(), Some("https" | "wss"));
+    match uri.port() {
+        Some(p) if !matches!((p.as_u16(), secure), (443, true) | (80, false)) => {
+            HeaderValue::from_str(&format!("{host}:{p}")).ok()
+        }
+        _ => HeaderValue::from_str(host).ok(),
+    }
+}
+
 /// The whole body of an answer.
 pub(crate) async fn read_body(resp: Answer) -> Result<Bytes, CallError> {
     match resp.into_body().collect().await {
@@ -262,6 +277,22 @@ mod tests {
             }
         });
         (port, pem)
+    }
+
+    #[test]
+    fn host_headers_are_what_hyper_would_write() {
+        let host = |u: &str| host_header(&u.parse().unwrap()).unwrap();
+        assert_eq!(
+            host("http://127.0.0.1:8000/v1/completions"),
+            "127.0.0.1:8000"
+        );
+        assert_eq!(host("http://node/v1/completions"), "node");
+        assert_eq!(host("http://node:80/v1/completions"), "node");
+        assert_eq!(host("https://node:443/v1/completions"), "node");
+        assert_eq!(host("https://node:80/v1/completions"), "node:80");
+        assert_eq!(host("http://node:443/v1/completions"), "node:443");
+        assert_eq!(host("http://[::1]:9000/v1/completions"), "[::1]:9000");
+        assert!(host_header(&"/v1/completions".parse().unwrap()).is_none());
     }
 
     fn settings_with(mutate: impl FnOnce(&mut RouterConfig)) -> RouterConfig {

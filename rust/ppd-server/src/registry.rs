@@ -51,6 +51,8 @@ pub struct Node {
     /// parsing a URL per request cost more than building the rest of it.
     /// `None` when the URL does not parse (the request then reports why).
     pub endpoint_urls: Option<[Uri; 2]>,
+    /// The `Host` header of its calls, built once ([`crate::client::host_header`]).
+    pub host_header: Option<axum::http::HeaderValue>,
     /// The `x-ppd-node` response header, built once.
     pub url_header: Option<axum::http::HeaderValue>,
 }
@@ -241,6 +243,10 @@ impl Registry {
         }
         let raw = self.next_id.fetch_add(1, Ordering::AcqRel);
         let id = NodeId::new(raw).unwrap_or(NodeId::new(u32::MAX).expect("u32::MAX is non-zero"));
+        let endpoint_urls = endpoint_urls(url);
+        let host_header = endpoint_urls
+            .as_ref()
+            .and_then(|u| crate::client::host_header(&u[0]));
         let node = Arc::new(Node {
             id,
             url: url.to_owned(),
@@ -256,7 +262,8 @@ impl Registry {
             sessions: AtomicU32::new(0),
             served: AtomicU64::new(0),
             failed: AtomicU64::new(0),
-            endpoint_urls: endpoint_urls(url),
+            endpoint_urls,
+            host_header,
             slots: NodeSlots::new(self.limits.requests, self.limits.prompt_tokens),
             load: Arc::default(),
             url_header: axum::http::HeaderValue::from_str(url).ok(),

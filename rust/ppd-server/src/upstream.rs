@@ -5,7 +5,7 @@
 //! by the caller.
 
 use axum::body::Bytes;
-use axum::http::header::AUTHORIZATION;
+use axum::http::header::{AUTHORIZATION, HOST};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use std::sync::Arc;
@@ -44,9 +44,12 @@ impl Endpoint {
         self,
         client: &NodeClient,
         node: &Node,
-        headers: HeaderMap,
+        mut headers: HeaderMap,
         body: Bytes,
     ) -> Result<Answer, CallError> {
+        if let Some(host) = &node.host_header {
+            headers.insert(HOST, host.clone());
+        }
         let uri = match &node.endpoint_urls {
             Some(urls) => urls[self as usize].clone(),
             None => {
