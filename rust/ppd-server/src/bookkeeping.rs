@@ -8,7 +8,7 @@ use ppd_core::identity::{History, IdSource};
 use ppd_core::session::{Expected, NodeId, TurnRecord};
 use ppd_core::{DecisionInput, Path, Role, Route};
 
-use crate::metrics::{ErrorLabels, LatencyLabels, RequestLabels};
+use crate::metrics::{ErrorLabels, RequestLabels};
 use crate::registry::Node;
 use crate::sse::Usage;
 use crate::state::AppState;
@@ -166,22 +166,18 @@ impl Ticket {
         let st = &self.state;
         self.record_session(usage, answer, Outcome::Answered);
         st.registry.record_success(&self.d);
-        let path = LatencyLabels {
-            path: self.route.path.as_str(),
-            model_name: self.model.clone(),
-        };
-        st.metrics
-            .e2e
-            .get_or_create(&path)
-            .observe((end - self.trail.started).as_secs_f64());
+        let path = self.route.path.as_str();
+        let m = &st.metrics;
+        m.e2e
+            .observe(path, &self.model, (end - self.trail.started).as_secs_f64());
         if let Some(ft) = first_token {
             let ttft = (ft - self.trail.started).as_secs_f64();
-            st.metrics.ttft.get_or_create(&path).observe(ttft);
+            m.ttft.observe(path, &self.model, ttft);
             let tpot = usage
                 .filter(|u| u.completion_tokens > 1)
                 .map(|u| (end - ft).as_secs_f64() / f64::from(u.completion_tokens - 1));
             if let Some(tpot) = tpot {
-                st.metrics.tpot.get_or_create(&path).observe(tpot);
+                m.tpot.observe(path, &self.model, tpot);
             }
             self.correct_prediction(ttft * 1000.0, tpot.map(|t| t * 1000.0));
         }
