@@ -539,20 +539,33 @@ impl CostModel {
             0.0,
             pd_transfer,
         );
+        // After a streamed answer D is first asked for its pin: the context
+        // up to the last answer, for one token. D computes what of it its
+        // cache lacks (the answer, where the client's rendering of it missed;
+        // else the last partial block) before its first token, a prefill the
+        // decodes there wait for too; then it holds the whole context.
+        let ctx = n_ctx.min(prompt - 1);
+        let (held, pin) = if live.pull_asks_pin && ctx > 0 {
+            let cached = d_cached.min(ctx - 1);
+            (
+                ctx.max(d_cached),
+                Some(self.prefill(&live.d, ctx - cached, cached)),
+            )
+        } else {
+            (d_cached, None)
+        };
         // Pull: P reads the context D holds, computes the rest, and D takes
         // back only what it lacks.
-        let read = self.link_ms(&pv, u64::from(d_cached) * p.kv_bytes_per_token);
+        let read = self.link_ms(&pv, u64::from(held) * p.kv_bytes_per_token);
         let mut pull = handed(
-            self.prefill(&pv, prompt - d_cached, d_cached).engine_ms,
+            self.prefill(&pv, prompt - held, held).engine_ms,
             read,
-            (prompt - 1) - d_cached,
+            (prompt - 1) - held,
         );
-        if live.pull_asks_pin {
-            // The pin request: a hop to D, whose next step computes its one
-            // token (a step the decodes there wait for too).
-            pull.ttft_ms += api.router_hop_ms + api.request_overhead_ms + d_first.engine_ms;
-            pull.tpot_added_ms += d_first.added_ms / mean_out;
-            pull.stall_ms += d_first.added_ms;
+        if let Some(pin) = pin {
+            pull.ttft_ms += api.router_hop_ms + api.request_overhead_ms + pin.engine_ms;
+            pull.tpot_added_ms += pin.added_ms / mean_out;
+            pull.stall_ms += pin.added_ms;
         }
         Forecast {
             pd,
@@ -756,6 +769,58 @@ mod tests {
         );
         assert!(asked.pull.tpot_added_ms > held.pull.tpot_added_ms);
         assert_eq!((asked.pd, asked.local), (held.pd, held.local));
+    }
+
+    #[test]
+    fn every_prompt_is_priced_down_to_a_single_token() {
+        let m = model();
+        for (n_ctx, n_in, d_cached) in sizes_cubed() {
+            for pull_asks_pin in [false, true] {
+                let live = LiveView {
+                    pull_asks_pin,
+                    ..view(busy_d(4), Some(idle(2)), d_cached)
+                };
+                let f = m.predict(n_ctx, n_in, &live);
+                for c in [f.pd, f.local, f.pull] {
+                    assert!(
+                        c.ttft_ms.is_finite() && c.ttft_ms > 0.0,
+                        "{n_ctx} {n_in} {d_cached}: {f:?}"
+                    );
+                    assert!(c.stall_ms.is_finite() && c.stall_ms >= 0.0);
+                }
+            }
+        }
+    }
+
+    fn sizes_cubed() -> impl Iterator<Item = (u32, u32, u32)> {
+        let sizes = [0u32, 1, 2, 15, 16, 17, 300];
+        sizes.into_iter().flat_map(move |a| {
+            sizes
+                .into_iter()
+                .flat_map(move |b| sizes.into_iter().map(move |c| (a, b, c)))
+        })
+    }
+
+    #[test]
+    fn a_pin_over_an_answer_d_did_not_cache_costs_d_its_recompute() {
+        // A 2,000-token context whose last 400 tokens (the previous answer,
+        // as the client rendered it) D's cache missed: the pin request
+        // computes them on D, where the decodes wait; P then reads all 2,000.
+        let m = model();
+        let asks = |d_cached| LiveView {
+            pull_asks_pin: true,
+            ..view(busy_d(40), Some(idle(2)), d_cached)
+        };
+        let hit = m.predict(2000, 64, &asks(1990));
+        let missed = m.predict(2000, 64, &asks(1600));
+        assert!(
+            missed.pull.stall_ms > 2.0 * hit.pull.stall_ms,
+            "{missed:?} {hit:?}"
+        );
+        assert!(missed.pull.ttft_ms > hit.pull.ttft_ms);
+        // Local computes the same missed tokens and the new ones; the pin
+        // spares D only the new ones.
+        assert!(missed.local.stall_ms > missed.pull.stall_ms);
     }
 
     #[test]
