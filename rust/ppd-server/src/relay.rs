@@ -19,8 +19,8 @@ use crate::client::Answer;
 use crate::config::{RouteHeaders, RouterConfig};
 use crate::registry::{InflightGuard, Node};
 use crate::sse::{
-    classify, is_done, token_chunk, usage_chunk, without_router_fields, EventKind, EventSplitter,
-    Pass, Usage,
+    classify, is_done, vllm_chunk, without_router_fields, EventKind, EventSplitter, Pass, Usage,
+    VllmChunk,
 };
 use crate::upstream::read_all;
 
@@ -194,25 +194,23 @@ impl Relay {
         } = self;
         let progress = inflight.progress();
         splitter.take_events(|ev| {
-            // Nearly every event is a token: read in one pass.
-            if let Some(text) = token_chunk(ev) {
-                if first_token.is_none() {
-                    *first_token = Some(Instant::now());
+            // Nearly every event is vLLM's token chunk: read in one pass.
+            let kind = match vllm_chunk(ev) {
+                Some(VllmChunk::Token(text)) => {
+                    if first_token.is_none() {
+                        *first_token = Some(Instant::now());
+                    }
+                    if let Some(p) = progress {
+                        p.token();
+                    }
+                    if let Some(h) = answer.as_mut() {
+                        h.update(&text);
+                    }
+                    return Pass::Keep;
                 }
-                if let Some(p) = progress {
-                    p.token();
-                }
-                if let Some(h) = answer.as_mut() {
-                    h.update(&text);
-                }
-                return Pass::Keep;
-            }
-            let kind = if is_done(ev) {
-                EventKind::Done
-            } else if let Some(u) = usage_chunk(ev) {
-                EventKind::UsageOnly(u)
-            } else {
-                classify(ev)
+                Some(VllmChunk::Usage(u)) => EventKind::UsageOnly(u),
+                None if is_done(ev) => EventKind::Done,
+                None => classify(ev),
             };
             match kind {
                 EventKind::UsageOnly(u) => {

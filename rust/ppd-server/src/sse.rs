@@ -126,8 +126,8 @@ pub fn classify(event: &[u8]) -> EventKind {
     }
 }
 
-/// The text of a plain token chunk, read in one pass: the event is exactly
-/// what vLLM streams for a token (or for the role that opens an answer),
+/// vLLM's token chunks and its usage chunk, read in one pass, the head
+/// checked once. A token chunk is exactly what vLLM streams for a token (or for the role that opens an answer),
 /// `data: {"id":…,"object":"chat.completion.chunk","created":…,"model":…,
 /// "choices":[{"index":0,"delta":{"content":TEXT},"logprobs":null,
 /// "finish_reason":null}]}` (`"token_ids":null` before the `}` as current
@@ -137,16 +137,35 @@ pub fn classify(event: &[u8]) -> EventKind {
 /// relay needs nothing else from it, and checking the shape costs a fraction
 /// of classifying the event, searching it for router fields and parsing its
 /// text one after another (~3,100 instructions a token in callgrind). Only
-/// the two strings are searched, and only TEXT is parsed; `None` for any
-/// other event, which the relay reads the general way.
-pub(crate) fn token_chunk(event: &[u8]) -> Option<Cow<'_, str>> {
+/// the two strings are searched, and only TEXT is parsed. The usage chunk
+/// (`…,"choices":[],"usage":{…}}`) is read from where its usage starts.
+/// `None` for any other event, which the relay reads the general way.
+pub(crate) fn vllm_chunk(event: &[u8]) -> Option<VllmChunk<'_>> {
+    let rest = vllm_head(event)?;
+    match token_text(rest) {
+        Some(text) => Some(VllmChunk::Token(text)),
+        None => usage_of(rest).map(VllmChunk::Usage),
+    }
+}
+
+/// The two events of vLLM's stream that [`vllm_chunk`] reads.
+#[derive(Debug, PartialEq)]
+pub(crate) enum VllmChunk<'a> {
+    /// A token (or the answer's role): its text.
+    Token(Cow<'a, str>),
+    /// The last chunk: the usage, with no choices.
+    Usage(Usage),
+}
+
+/// A token chunk's text, from what follows vLLM's head.
+fn token_text(rest: &[u8]) -> Option<Cow<'_, str>> {
     const CHOICE_0: &[u8] = b",\"choices\":[{\"index\":0,\"delta\":{";
     const ROLE: &[u8] = b"\"role\":\"assistant\",";
     const CONTENT: &[u8] = b"\"content\":";
     const TAIL: &[u8] = b"},\"logprobs\":null,\"finish_reason\":null";
     // vLLM names the token ids it was not asked for as null.
     const NO_TOKEN_IDS: &[u8] = b",\"token_ids\":null";
-    let rest = vllm_head(event)?.strip_prefix(CHOICE_0)?;
+    let rest = rest.strip_prefix(CHOICE_0)?;
     let rest = rest.strip_prefix(ROLE).unwrap_or(rest);
     let json = rest.strip_prefix(CONTENT)?;
     let (text, end) = json_string(json)?;
@@ -155,13 +174,12 @@ pub(crate) fn token_chunk(event: &[u8]) -> Option<Cow<'_, str>> {
     (rest == b"}]}").then_some(text)
 }
 
-/// The usage of vLLM's last chunk, `data: {"id":…,"object":…,"created":…,
-/// "model":…,"choices":[],"usage":{…}}`, read from where the usage starts
-/// (the head checked, not parsed); `None` for any other event.
-pub(crate) fn usage_chunk(event: &[u8]) -> Option<Usage> {
+/// The usage of vLLM's last chunk, `…,"choices":[],"usage":{…}}` after
+/// its head, read from where the usage starts.
+fn usage_of(rest: &[u8]) -> Option<Usage> {
     use serde::Deserialize as _;
     const USAGE: &[u8] = b",\"choices\":[],\"usage\":";
-    let json = vllm_head(event)?.strip_prefix(USAGE)?;
+    let json = rest.strip_prefix(USAGE)?;
     let mut de = serde_json::Deserializer::from_slice(json.strip_suffix(b"}")?);
     let usage = Usage::deserialize(&mut de).ok()?;
     de.end().ok()?;
@@ -405,7 +423,21 @@ mod tests {
         );
     }
 
-    fn vllm_chunk(delta: &str, tail: &str) -> Vec<u8> {
+    fn token_chunk(event: &[u8]) -> Option<Cow<'_, str>> {
+        match vllm_chunk(event)? {
+            VllmChunk::Token(t) => Some(t),
+            VllmChunk::Usage(_) => None,
+        }
+    }
+
+    fn usage_chunk(event: &[u8]) -> Option<Usage> {
+        match vllm_chunk(event)? {
+            VllmChunk::Usage(u) => Some(u),
+            VllmChunk::Token(_) => None,
+        }
+    }
+
+    fn vllm_event(delta: &str, tail: &str) -> Vec<u8> {
         format!(
             "data: {{\"id\":\"chatcmpl-7f3a\",\"object\":\"chat.completion.chunk\",\"created\":1765100000,\"model\":\"meta-llama/Llama-3.1-8B-Instruct\",\"choices\":[{{\"index\":0,\"delta\":{{{delta}}},\"logprobs\":null,\"finish_reason\":{tail}}}]}}\n\n"
         )
@@ -414,29 +446,29 @@ mod tests {
 
     #[test]
     fn a_vllm_token_chunk_is_read_in_one_pass() {
-        let plain = vllm_chunk(r#""content":" the""#, "null");
+        let plain = vllm_event(r#""content":" the""#, "null");
         assert_eq!(token_chunk(&plain).as_deref(), Some(" the"));
-        let with_ids = vllm_chunk(r#""content":"a \"b\" \u00e9""#, r#"null,"token_ids":null"#);
+        let with_ids = vllm_event(r#""content":"a \"b\" \u00e9""#, r#"null,"token_ids":null"#);
         assert_eq!(token_chunk(&with_ids).as_deref(), Some("a \"b\" é"));
-        let role = vllm_chunk(r#""role":"assistant","content":"""#, "null");
+        let role = vllm_event(r#""role":"assistant","content":"""#, "null");
         assert_eq!(token_chunk(&role).as_deref(), Some(""));
     }
 
     #[test]
     fn every_other_event_goes_the_general_way() {
         for ev in [
-            vllm_chunk(r#""content":"x""#, r#""stop""#),
-            vllm_chunk(r#""content":"x""#, r#"null,"token_ids":[5]"#),
-            vllm_chunk(r#""content":"x","reasoning":"y""#, "null"),
-            vllm_chunk(r#""content":"x""#, "null").replace_str(
+            vllm_event(r#""content":"x""#, r#""stop""#),
+            vllm_event(r#""content":"x""#, r#"null,"token_ids":[5]"#),
+            vllm_event(r#""content":"x","reasoning":"y""#, "null"),
+            vllm_event(r#""content":"x""#, "null").replace_str(
                 "}]}",
                 r#"}],"usage":{"prompt_tokens":1,"completion_tokens":1}}"#,
             ),
-            vllm_chunk(r#""content":"x""#, "null")
+            vllm_event(r#""content":"x""#, "null")
                 .replace_str("}]}", r#"}],"kv_transfer_params":{"remote_host":"h"}}"#),
-            vllm_chunk(r#""content":"x""#, "null").replace_str(r#""index":0"#, r#""index":1"#),
-            vllm_chunk(r#""content":"x""#, "null").replace_str("Llama", r#"Ll\"ama"#),
-            vllm_chunk(r#""content":"x""#, "null").replace_str("\n\n", "\r\n\r\n"),
+            vllm_event(r#""content":"x""#, "null").replace_str(r#""index":0"#, r#""index":1"#),
+            vllm_event(r#""content":"x""#, "null").replace_str("Llama", r#"Ll\"ama"#),
+            vllm_event(r#""content":"x""#, "null").replace_str("\n\n", "\r\n\r\n"),
             b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n".to_vec(),
             b"data: {\"error\":{\"message\":\"x\"}}\n\n".to_vec(),
             b"data: [DONE]\n\n".to_vec(),
@@ -458,7 +490,7 @@ mod tests {
         // Anything after the usage (a router-only field) is left to the general way.
         let more = String::from_utf8_lossy(usage).replace("}}\n", "},\"kv_transfer_params\":{}}\n");
         assert_eq!(usage_chunk(more.as_bytes()), None);
-        assert_eq!(usage_chunk(&vllm_chunk(r#""content":"x""#, "null")), None);
+        assert_eq!(usage_chunk(&vllm_event(r#""content":"x""#, "null")), None);
         assert!(is_done(b"data: [DONE]\n\n"));
         assert_eq!(classify(b"data: [DONE]\n\n"), EventKind::Done);
         assert!(!is_done(b"data: [DONE]\r\n\r\n"));
@@ -494,7 +526,7 @@ mod tests {
             } else {
                 format!(r#""content":{content}"#)
             };
-            let ev = vllm_chunk(&delta, finish).replace_str("}]}", &format!("}}]{extra}}}"));
+            let ev = vllm_event(&delta, finish).replace_str("}]}", &format!("}}]{extra}}}"));
             let plain = extra.is_empty() && (finish == "null" || finish.contains("token_ids"));
             let read = token_chunk(&ev);
             proptest::prop_assert_eq!(read.is_some(), plain);
