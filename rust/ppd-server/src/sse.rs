@@ -127,19 +127,20 @@ pub fn classify(event: &[u8]) -> EventKind {
 }
 
 /// vLLM's token chunks and its usage chunk, read in one pass, the head
-/// checked once. A token chunk is exactly what vLLM streams for a token (or for the role that opens an answer),
-/// `data: {"id":…,"object":"chat.completion.chunk","created":…,"model":…,
-/// "choices":[{"index":0,"delta":{"content":TEXT},"logprobs":null,
-/// "finish_reason":null}]}` (`"token_ids":null` before the `}` as current
-/// vLLM writes it, `"role":"assistant",` before the content in the answer's
-/// first chunk), so it is data without usage, names no
-/// router-only field, goes out as it came and adds TEXT to the answer. The
-/// relay needs nothing else from it, and checking the shape costs a fraction
-/// of classifying the event, searching it for router fields and parsing its
-/// text one after another (~3,100 instructions a token in callgrind). Only
-/// the two strings are searched, and only TEXT is parsed. The usage chunk
-/// (`…,"choices":[],"usage":{…}}`) is read from where its usage starts.
-/// `None` for any other event, which the relay reads the general way.
+/// checked once. A token chunk is exactly what vLLM streams for a token (or
+/// for the role that opens an answer), `data: {"id":…,"object":
+/// "chat.completion.chunk","created":…,"model":…,"choices":[{"index":0,
+/// "delta":{"content":TEXT},"logprobs":null,"finish_reason":null}]}`
+/// (`"token_ids":null` before the `}` as current vLLM writes it,
+/// `"role":"assistant",` before the content in the answer's first chunk),
+/// so it is data without usage, names no router-only field, goes out as it
+/// came and adds TEXT to the answer. The relay needs nothing else from it,
+/// and checking the shape costs a fraction of classifying the event,
+/// searching it for router fields and parsing its text one after another
+/// (~3,100 instructions a token in callgrind). Only the two strings are
+/// searched, and only TEXT is parsed. The usage chunk (`…,"choices":[],
+/// "usage":{…}}`) is read from where its usage starts. `None` for any other
+/// event, which the relay reads the general way.
 pub(crate) fn vllm_chunk(event: &[u8]) -> Option<VllmChunk<'_>> {
     let rest = vllm_head(event)?;
     match token_text(rest) {
