@@ -96,21 +96,12 @@ pub(crate) fn feed_event(event: &[u8], into: &mut ContentHasher) {
 /// every answer. `None` (the event is parsed) for any other shape.
 fn token_text(event: &[u8]) -> Option<Cow<'_, str>> {
     use memchr::memmem::Finder;
-    use serde::Deserialize as _;
     use std::sync::LazyLock;
     static PREFIX: LazyLock<Finder<'static>> =
         LazyLock::new(|| Finder::new(b"\"choices\":[{\"index\":0,\"delta\":{\"content\":"));
     let data = crate::sse::single_data_line(event)?;
     let at = PREFIX.find(data)? + PREFIX.needle().len();
-    let json = &data[at..];
-    // Borrowed unless the text has escapes (serde's `Cow` would always copy).
-    let borrowed = <&str>::deserialize(&mut serde_json::Deserializer::from_slice(json));
-    match borrowed {
-        Ok(text) => Some(Cow::Borrowed(text)),
-        Err(_) => String::deserialize(&mut serde_json::Deserializer::from_slice(json))
-            .ok()
-            .map(Cow::Owned),
-    }
+    crate::sse::json_string(&data[at..]).map(|(text, _)| text)
 }
 
 /// The `choices` array of a chunk, parsed from where its key is: vLLM

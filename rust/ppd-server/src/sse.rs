@@ -215,7 +215,7 @@ fn plain_string(s: &[u8]) -> Option<&[u8]> {
 
 /// The JSON string at the start of `json`, unescaped (borrowed where it has
 /// no escapes: serde's `Cow` would always copy), and where it ends.
-fn json_string(json: &[u8]) -> Option<(Cow<'_, str>, usize)> {
+pub(crate) fn json_string(json: &[u8]) -> Option<(Cow<'_, str>, usize)> {
     let mut borrowed = serde_json::Deserializer::from_slice(json).into_iter::<&str>();
     if let Some(Ok(t)) = borrowed.next() {
         return Some((Cow::Borrowed(t), borrowed.byte_offset()));
