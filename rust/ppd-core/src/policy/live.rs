@@ -6,13 +6,14 @@
 //! every sequence decoding on D, relative to their TPOT and summed over them
 //! (the mean TPOT of all requests pays each of them). Or, with SLOs set, the
 //! path under which the most requests meet both: this one by its predicted
-//! TTFT, those decoding beside it by their TPOT after the stall it adds; the
-//! score breaks ties. Either way, first, the path that stalls least the
-//! decodes on D it would push past their deadline (the router's request
-//! timeout). Without live data the table's prior decides, as `ppd`.
+//! TTFT, those decoding beside it by their TPOT after the stall it adds, less
+//! the decodes on D its stall is expected to push past their deadline (the
+//! router's request timeout); the score breaks ties. With weights, first of
+//! all the path that stalls least the decodes it would push past their
+//! deadline. Without live data the table's prior decides, as `ppd`.
 
 use super::{ppd::PpdPolicy, Context, Policy, PolicyKind};
-use crate::cost::{Forecast, PathCost};
+use crate::cost::{AtRisk, Forecast, PathCost};
 use crate::route::{Path, Reason, Weights};
 
 /// Latency objectives per request, ms.
@@ -47,6 +48,21 @@ fn within(limit: f64, predicted: f64, spread: f64) -> f64 {
     1.0 / (1.0 + (-1.702 * (limit - predicted) / sigma).exp())
 }
 
+/// The decodes on D expected to miss their deadline because of a path's
+/// stall: for each, the chance it ends in time at D's observed pace
+/// (scattered by its relative spread) without the stall, less that chance
+/// after it. One already lost, or with time to spare, costs nothing.
+fn deadlines_missed(at_risk: &AtRisk, c: &PathCost) -> f64 {
+    at_risk
+        .iter()
+        .map(|d| {
+            let needed = f64::from(d.remaining_tokens) * c.base_tpot_ms;
+            let in_time = |stall: f64| within(d.time_left_ms, needed + stall, c.tpot_spread);
+            in_time(0.0) - in_time(c.stall_ms)
+        })
+        .sum()
+}
+
 /// Requests expected to meet both SLOs under a path: this one, by its
 /// predicted TTFT and its TPOT on D; less the co-running sequences whose
 /// TPOT the path's stall pushes over the objective (those whose TPOT lay
@@ -67,23 +83,23 @@ impl Policy for LivePolicy {
         let Some(f) = c.forecast else {
             return PpdPolicy.choose(c);
         };
-        // Goodput first (differences under a thousandth of a request are
-        // ties), then the score.
-        let objective = |p: Path| {
-            let s = score(f, p, c.weights);
-            match c.slo {
-                Some(slo) => ((goodput(&f.get(p), slo) * 1000.0).round(), s),
-                None => (0.0, s),
+        // A decode on D pushed past its deadline is a request the client
+        // gives up on, lost whole. Under SLOs that loss is counted in
+        // goodput's own unit, requests: the expected decodes a path's stall
+        // makes miss, while D's decodes meet the TPOT objective (past it
+        // they are lost to goodput whether they time out or not). With
+        // weights, whose units are latencies, no latency gain buys it: the
+        // path that stalls the pressed decodes least goes first.
+        let goodput_guard = c.slo.is_some_and(|slo| f.pd.base_tpot_ms <= slo.tpot_ms);
+        let lost = |pc: PathCost| {
+            if goodput_guard {
+                deadlines_missed(&f.at_risk, &pc)
+            } else {
+                0.0
             }
         };
-        // Before both: no decode on D pushed past its deadline that would
-        // have made it otherwise — a request the client gives up on is lost
-        // whole, whatever the other latencies gain. Under SLOs only while
-        // D's decodes meet the TPOT objective: past it they are lost to
-        // goodput whether they time out or not.
-        let guarded = c.slo.is_none_or(|slo| f.pd.base_tpot_ms <= slo.tpot_ms);
         let pressed = |pc: PathCost| {
-            if guarded {
+            if c.slo.is_none() {
                 f.at_risk.pressed_stall_ms(
                     pc.free_tpot_ms,
                     pc.base_tpot_ms,
@@ -94,9 +110,25 @@ impl Policy for LivePolicy {
                 0.0
             }
         };
-        // Each feasible path keyed once; the choice with the deadline term
-        // and the one without it (which says whether the term decided).
-        let key = |p: Path| (p, -pressed(f.get(p)), objective(p));
+        // Goodput (differences under a thousandth of a request are ties),
+        // then the score; with and without the deadlines, which says
+        // whether they decided.
+        let objective = |p: Path, deadlines: bool| {
+            let s = score(f, p, c.weights);
+            let pc = f.get(p);
+            match c.slo {
+                Some(slo) => {
+                    let lost = if deadlines { lost(pc) } else { 0.0 };
+                    (((goodput(&pc, slo) - lost) * 1000.0).round(), s)
+                }
+                None => (0.0, s),
+            }
+        };
+        // Each feasible path keyed once: with the deadline term and without.
+        let key = |p: Path| {
+            let pc = f.get(p);
+            (p, -pressed(pc), objective(p, true), objective(p, false))
+        };
         // Pd first: it is always feasible, and wins ties.
         let pd = key(Path::Pd);
         let (mut chosen, mut unguarded) = (pd, pd);
@@ -105,7 +137,7 @@ impl Policy for LivePolicy {
             .copied()
             .filter(|&p| c.input.veto(p).is_none());
         for k in feasible.map(key) {
-            if k.2 > unguarded.2 {
+            if k.3 > unguarded.3 {
                 unguarded = k;
             }
             if (k.1, k.2) > (chosen.1, chosen.2) {
@@ -344,6 +376,52 @@ mod tests {
         assert_eq!(
             choose(&input(), Some(&f), w, None),
             (Path::Pull, Reason::Deadline)
+        );
+    }
+
+    #[test]
+    fn under_slos_decodes_pushed_past_their_deadline_are_weighed_in_requests() {
+        // Local meets the TTFT objective and pd does not: a request won.
+        // Local's prefill stalls D 2 s (pd's: 1 ms); each decode below
+        // needs 10 s at D's 10 ms (σ 10 %) and has 11,010 ms left: it ends
+        // in time with a chance of 0.85 unstalled and 0.20 after local's
+        // stall, so local costs 0.65 of a request per such decode.
+        let slo = Slo {
+            ttft_ms: 100.0,
+            tpot_ms: 50.0,
+        };
+        let f = |decodes: usize| {
+            let mut at_risk = AtRisk::default();
+            for _ in 0..decodes {
+                at_risk.offer(Deadline {
+                    time_left_ms: 11_010.0,
+                    remaining_tokens: 1_000,
+                });
+            }
+            Forecast {
+                pd: cost(200.0, 0.01, 8),
+                local: cost(40.0, 20.0, 8),
+                pull: cost(90.0, 0.0, 8),
+                at_risk,
+            }
+        };
+        let no_pull = DecisionInput {
+            pull_ready: false,
+            ..input()
+        };
+        let w = Weights::default();
+        let one = f(1);
+        let lost = deadlines_missed(&one.at_risk, &one.local);
+        assert!((0.6..0.7).contains(&lost), "{lost}");
+        // One such decode is worth less than the turn's own objective...
+        assert_eq!(
+            choose(&no_pull, Some(&one), w, Some(slo)),
+            (Path::Local, Reason::SloGoodput)
+        );
+        // ...two are worth more.
+        assert_eq!(
+            choose(&no_pull, Some(&f(2)), w, Some(slo)),
+            (Path::Pd, Reason::Deadline)
         );
     }
 
