@@ -193,6 +193,17 @@ pub struct Forecast {
     pub pull: PathCost,
     /// D's decodes closest to their deadline (from the [`LiveView`]).
     pub at_risk: AtRisk,
+    /// The TPOTs D's requests have been getting (none until D has enough
+    /// of them): where the sequences decoding beside a new request end up.
+    pub corunner_tpot: Option<TpotLevel>,
+}
+
+/// A node's recent per-request TPOTs: their geometric mean and the relative
+/// σ around it.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct TpotLevel {
+    pub ms: f64,
+    pub spread: f64,
 }
 
 impl Forecast {
@@ -242,11 +253,25 @@ struct NodeResiduals {
     any_sq_n: AtomicU64,
     tpot: AtomicU64,
     tpot_n: AtomicU64,
+    /// ln(observed TPOT) itself, and its square: the level D's requests get.
+    level: AtomicU64,
+    level_n: AtomicU64,
+    level_sq: AtomicU64,
+    level_sq_n: AtomicU64,
+}
+
+impl NodeResiduals {
+    fn tpot_level(&self) -> Option<TpotLevel> {
+        (self.level_sq_n.load(Ordering::Relaxed) >= MIN_SPREAD_SAMPLES).then(|| TpotLevel {
+            ms: f64::from_bits(self.level.load(Ordering::Relaxed)).exp(),
+            spread: spread(&self.level, &self.level_sq, &self.level_sq_n),
+        })
+    }
 }
 
 /// The online correction of predictions: per node, path and size class, an
 /// exponentially weighted mean of ln(observed / predicted), a cell without
-/// samples taking the node's mean over all of them. Memory is a fixed 176
+/// samples taking the node's mean over all of them. Memory is a fixed 240
 /// bytes per node; nodes that leave are dropped with [`Corrections::forget`].
 pub struct Corrections {
     /// Weight of a new sample; the first samples are averaged plainly so a
@@ -325,6 +350,12 @@ impl Corrections {
         })
     }
 
+    /// The TPOTs `node`'s requests have been getting, once it has
+    /// [`MIN_SPREAD_SAMPLES`] of them.
+    pub fn tpot_level(&self, node: u32) -> Option<TpotLevel> {
+        self.nodes.read().get(&node)?.tpot_level()
+    }
+
     /// The factor by which D's predicted step time (TPOT) is off.
     pub fn tpot_factor(&self, node: u32) -> f64 {
         let nodes = self.nodes.read();
@@ -366,9 +397,12 @@ impl Corrections {
         let Some(ln) = ln_ratio(observed_ms, predicted_ms) else {
             return;
         };
+        let level = observed_ms.ln();
         self.with_node(node, |r| {
             ewma(&r.tpot, &r.tpot_n, ln, self.alpha);
             ewma(&r.tpot_sq, &r.tpot_sq_n, ln * ln, self.alpha);
+            ewma(&r.level, &r.level_n, level, self.alpha);
+            ewma(&r.level_sq, &r.level_sq_n, level * level, self.alpha);
         });
     }
 
@@ -393,6 +427,7 @@ impl Corrections {
                     }),
                     tpot: load(&r.tpot),
                     tpot_samples: r.tpot_n.load(Ordering::Relaxed),
+                    tpot_level_ms: r.tpot_level().map(|l| l.ms),
                 }
             })
             .collect();
@@ -410,6 +445,8 @@ pub struct NodeCorrection {
     pub ttft_samples: [[u64; 3]; 3],
     pub tpot: f64,
     pub tpot_samples: u64,
+    /// The TPOT its requests have been getting (geometric mean), once known.
+    pub tpot_level_ms: Option<f64>,
 }
 
 fn ln_ratio(observed: f64, predicted: f64) -> Option<f64> {
@@ -526,6 +563,7 @@ impl CostModel {
                 local,
                 pull: pd,
                 at_risk: live.at_risk,
+                corunner_tpot: None,
             };
         };
         let p_cached = cap(live.p_cached);
@@ -572,6 +610,7 @@ impl CostModel {
             local,
             pull,
             at_risk: live.at_risk,
+            corunner_tpot: None,
         }
     }
 
@@ -598,6 +637,7 @@ impl CostModel {
         }
         let t = c.tpot_factor(d);
         let tpot_spread = c.tpot_spread(d);
+        f.corunner_tpot = c.tpot_level(d);
         for pc in [&mut f.pd, &mut f.local, &mut f.pull] {
             pc.tpot_added_ms *= t;
             pc.stall_ms *= t;
@@ -963,6 +1003,32 @@ mod tests {
             c.ttft_spread(1)
         );
         assert_eq!(c.tpot_spread(1), 0.02, "exact predictions: the floor");
+    }
+
+    #[test]
+    fn the_tpots_a_nodes_requests_get_are_learnt_whatever_was_predicted() {
+        let c = Corrections::default();
+        // Observed 12 and 13 ms alternately, against predictions all over
+        // the place (the step of each request's own moment).
+        for i in 0..60 {
+            if i == MIN_SPREAD_SAMPLES - 1 {
+                assert_eq!(c.tpot_level(1), None, "too few to say");
+            }
+            let observed = if i % 2 == 0 { 12.0 } else { 13.0 };
+            c.observe_tpot(1, 5.0 + f64::from(i as u32 % 7) * 2.5, observed);
+        }
+        let level = c.tpot_level(1).expect("60 samples");
+        assert!(
+            (level.ms - (12.0f64 * 13.0).sqrt()).abs() < 0.1,
+            "{level:?}"
+        );
+        assert!(
+            (level.spread - (13.0f64 / 12.0).ln() / 2.0).abs() < 0.01,
+            "{level:?}"
+        );
+        assert_eq!(c.view()[0].tpot_level_ms, Some(level.ms));
+        assert_eq!(c.tpot_level(2), None, "unknown node");
+        assert_eq!(std::mem::size_of::<NodeResiduals>(), 240, "as documented");
     }
 
     #[test]

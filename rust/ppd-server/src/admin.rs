@@ -561,6 +561,7 @@ async fn model(State(st): State<Arc<AppState>>, h: HeaderMap) -> Response {
                 "size_classes_tokens": [256, 2048, null],
                 "tpot_factor": c.tpot,
                 "tpot_samples": c.tpot_samples,
+                "tpot_level_ms": c.tpot_level_ms,
             }))
         })
         .collect();
