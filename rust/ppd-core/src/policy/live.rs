@@ -108,9 +108,10 @@ impl Policy for LivePolicy {
         // goodput's own unit, requests: the expected decodes a path's stall
         // makes miss (at TIMEOUT_COST each), while D's decodes meet the TPOT
         // objective (past it they are lost to goodput whether they time out
-        // or not). With
-        // weights, whose units are latencies, no latency gain buys it: the
-        // path that stalls the pressed decodes least goes first.
+        // or not). With weights, whose units are latencies, no latency gain
+        // buys it: the path that stalls the pressed decodes least goes
+        // first (priced like SLOs' instead, at (w_ttft + w_tpot) per
+        // expected timeout, it lost Goal C at 3P_1pD QPS 8: round 7).
         let goodput_guard = c.slo.is_some_and(|slo| f.pd.base_tpot_ms <= slo.tpot_ms);
         let lost = |pc: PathCost| {
             if goodput_guard {
