@@ -128,6 +128,13 @@ def test_the_model_learns_each_nodes_speed_and_shows_it(cluster_factory) -> None
     # A factor is observed / predicted: positive, and not the untouched 1.0 of a node never seen.
     factor = pd["ttft_factor"]["local"][0]
     assert factor > 0 and factor != 1.0
+    # /metrics carries the same factors, for the cells that have samples only.
+    text = c.client.get(c.url + "/metrics").text
+    node = c.nodes["pD"][0].url
+    series = f'ppd_model_ttft_correction{{node="{node}",path="local",size_class="le_256"}}'
+    line = next(x for x in text.splitlines() if x.startswith(series))
+    assert float(line.split()[-1]) == pytest.approx(factor)
+    assert f'ppd_model_ttft_correction{{node="{node}",path="pull"' not in text
 
 
 def test_slo_mode_needs_both_objectives() -> None:

@@ -220,6 +220,12 @@ impl Forecast {
 /// prompt tokens (a node can be slow on long prefills and not on short ones).
 const SIZE_CLASSES: [u32; 3] = [256, 2048, u32::MAX];
 
+/// The size classes by name, in [`NodeCorrection::ttft`]'s order.
+pub const SIZE_CLASS_NAMES: [&str; 3] = ["le_256", "le_2048", "over_2048"];
+
+/// The paths of [`NodeCorrection::ttft`], in its order.
+pub const CORRECTED_PATHS: [Path; 3] = [Path::Local, Path::Pull, Path::Pd];
+
 fn size_class(tokens: u32) -> usize {
     SIZE_CLASSES.iter().position(|&b| tokens <= b).unwrap_or(2)
 }
@@ -1003,6 +1009,13 @@ mod tests {
             c.ttft_spread(1)
         );
         assert_eq!(c.tpot_spread(1), 0.02, "exact predictions: the floor");
+    }
+
+    #[test]
+    fn the_named_paths_are_in_the_slots_order() {
+        for (i, p) in CORRECTED_PATHS.into_iter().enumerate() {
+            assert_eq!(path_slot(p), i);
+        }
     }
 
     #[test]

@@ -13,6 +13,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use ppd_core::builtin::load_table;
+use ppd_core::cost::CORRECTED_PATHS;
 use ppd_core::table::Table;
 use ppd_core::{PolicyKind, Role, Weights};
 
@@ -553,11 +554,15 @@ async fn model(State(st): State<Arc<AppState>>, h: HeaderMap) -> Response {
         .view()
         .into_iter()
         .map(|c| {
-            let url = st.registry.get(ppd_core::session::NodeId::new(c.node)?)?.url.clone();
+            let url = st
+                .registry
+                .get(ppd_core::session::NodeId::new(c.node)?)?
+                .url
+                .clone();
             Some(json!({
                 "node": url,
-                "ttft_factor": {"local": c.ttft[0], "pull": c.ttft[1], "pd": c.ttft[2]},
-                "ttft_samples": {"local": c.ttft_samples[0], "pull": c.ttft_samples[1], "pd": c.ttft_samples[2]},
+                "ttft_factor": by_path(&c.ttft),
+                "ttft_samples": by_path(&c.ttft_samples),
                 "size_classes_tokens": [256, 2048, null],
                 "tpot_factor": c.tpot,
                 "tpot_samples": c.tpot_samples,
@@ -573,6 +578,16 @@ async fn model(State(st): State<Arc<AppState>>, h: HeaderMap) -> Response {
         "nodes": nodes,
     }))
     .into_response()
+}
+
+/// A correction's cells keyed by their path's name.
+fn by_path<T: serde::Serialize>(cells: &[T; 3]) -> serde_json::Value {
+    let named = CORRECTED_PATHS.iter().zip(cells);
+    serde_json::Value::Object(
+        named
+            .map(|(p, x)| (p.as_str().to_owned(), json!(x)))
+            .collect(),
+    )
 }
 
 async fn policy(State(st): State<Arc<AppState>>, h: HeaderMap) -> Response {

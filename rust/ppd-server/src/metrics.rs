@@ -59,6 +59,16 @@ pub struct NodeLabel {
     pub node: String,
 }
 
+/// A cell of the cost model's TTFT corrections: the node that computes the
+/// prompt, the path, and the class of prompt tokens it computes.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CorrectionLabels {
+    pub node: String,
+    pub path: &'static str,
+    /// `le_256`, `le_2048`, `over_2048` computed tokens.
+    pub size_class: &'static str,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct NodeFigureLabels {
     pub node: String,
@@ -210,6 +220,13 @@ pub struct Metrics {
     /// Serialises the copy of each node's event counts into `kv_events`
     /// (counters only go up by the difference since the last copy).
     pub kv_events_copy: parking_lot::Mutex<()>,
+    /// `ppd-live`'s corrections, rewritten from the cost model at each scrape.
+    pub model_ttft_correction: Family<CorrectionLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    pub model_tpot_correction: Family<NodeLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    pub model_tpot_level: Family<NodeLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    /// Serialises those rewrites (a scrape between another's clear and
+    /// refill would see nothing).
+    pub model_copy: parking_lot::Mutex<()>,
     /// 1 while the state store (`state`) is reachable; registered only with `state`.
     pub state_connected: Gauge,
     /// Shared admin changes by outcome; registered only with `state`.
@@ -397,6 +414,24 @@ impl Metrics {
             "KV bytes P read back from D's pin on the pull path (the context it did not recompute)",
             kv_bytes_pulled.clone(),
         );
+        let model_ttft_correction = Family::default();
+        registry.register(
+            "model_ttft_correction",
+            "ppd-live's cost model: observed / predicted TTFT per node, path and class of computed prompt tokens (1: the profile holds), cells with samples only",
+            model_ttft_correction.clone(),
+        );
+        let model_tpot_correction = Family::default();
+        registry.register(
+            "model_tpot_correction",
+            "ppd-live's cost model: observed / predicted TPOT (D's decode step) per node",
+            model_tpot_correction.clone(),
+        );
+        let model_tpot_level = Family::default();
+        registry.register(
+            "model_tpot_level_seconds",
+            "ppd-live's cost model: the TPOT a node's requests have been getting (geometric mean), what co-runners are judged by under SLOs",
+            model_tpot_level.clone(),
+        );
         let pinned = Family::<FigureLabel, Gauge>::default();
         registry.register(
             "pinned_kv",
@@ -412,6 +447,10 @@ impl Metrics {
             residency_blocks,
             kv_events,
             kv_events_copy: parking_lot::Mutex::new(()),
+            model_ttft_correction,
+            model_tpot_correction,
+            model_tpot_level,
+            model_copy: parking_lot::Mutex::new(()),
             registry,
             requests,
             ttft,

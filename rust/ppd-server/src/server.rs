@@ -195,6 +195,7 @@ async fn metrics(State(st): State<Arc<AppState>>, headers: axum::http::HeaderMap
         }
     }
     export_residency(&st);
+    export_model(&st);
     let pinned = st.pulls.pinned(st.now_ms());
     for (figure, v) in [
         ("handles", pinned.handles),
@@ -214,6 +215,47 @@ async fn metrics(State(st): State<Arc<AppState>>, headers: axum::http::HeaderMap
 }
 
 /// Each node's residency mode, index size and KV-event counts, into the metrics.
+/// `ppd-live`'s corrections per node (those of departed nodes are gone from
+/// the cost model, so each scrape rewrites the series from it).
+fn export_model(st: &AppState) {
+    let Some(model) = st.engine.cost_model() else {
+        return;
+    };
+    let m = &st.metrics;
+    let _copy = m.model_copy.lock();
+    m.model_ttft_correction.clear();
+    m.model_tpot_correction.clear();
+    m.model_tpot_level.clear();
+    for c in model.corrections.view() {
+        let Some(node) = ppd_core::session::NodeId::new(c.node).and_then(|id| st.registry.get(id))
+        else {
+            continue;
+        };
+        for (p, path) in ppd_core::cost::CORRECTED_PATHS.into_iter().enumerate() {
+            for (k, size_class) in ppd_core::cost::SIZE_CLASS_NAMES.into_iter().enumerate() {
+                if c.ttft_samples[p][k] > 0 {
+                    m.model_ttft_correction
+                        .get_or_create(&crate::metrics::CorrectionLabels {
+                            node: node.url.clone(),
+                            path: path.as_str(),
+                            size_class,
+                        })
+                        .set(c.ttft[p][k]);
+                }
+            }
+        }
+        let label = NodeLabel {
+            node: node.url.clone(),
+        };
+        if c.tpot_samples > 0 {
+            m.model_tpot_correction.get_or_create(&label).set(c.tpot);
+        }
+        if let Some(ms) = c.tpot_level_ms {
+            m.model_tpot_level.get_or_create(&label).set(ms / 1000.0);
+        }
+    }
+}
+
 fn export_residency(st: &AppState) {
     let m = &st.metrics;
     let _copy = m.kv_events_copy.lock();
