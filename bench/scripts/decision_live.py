@@ -152,8 +152,10 @@ def live(out: Path, arms: list[str], duration: float, deadline: Optional[float])
             policy, flags, _ = ARMS[arm]
             port = free_port()
             url = f"http://127.0.0.1:{port}"
+            # The router's request timeout is the client's, as the simulator has it: ppd-live's
+            # deadline term counts from it (left at its 600 s default, the term sees no deadline).
             cmd = ["ppd-router", "serve", "--emulated", LIVE_LAYOUTS[dep], "--policy", policy,
-                   "--port", str(port), *flags]
+                   "--port", str(port), "--request-timeout", f"{TIMEOUT:g}", *flags]
             if policy == "ppd":
                 cmd += ["--table", LAYOUTS[dep]]
             extra = ["--max-context", cut, "--config", dep, "--policy-label", arm,
