@@ -132,27 +132,21 @@ impl Policy for LivePolicy {
                 0.0
             }
         };
-        // Goodput (differences under a thousandth of a request are ties),
-        // then the score; with and without the deadlines, which says
+        // Each feasible path keyed once: the deadline term with weights,
+        // then goodput (differences under a thousandth of a request are
+        // ties) and the score — with the deadlines and without, which says
         // whether they decided.
-        let objective = |p: Path, deadlines: bool| {
-            let s = score(f, p, c.weights);
-            let pc = f.get(p);
-            match c.slo {
-                Some(slo) => {
-                    let lost = if deadlines { lost(pc) } else { 0.0 };
-                    (
-                        ((goodput(&pc, f.corunner_tpot, slo) - lost) * 1000.0).round(),
-                        s,
-                    )
-                }
-                None => (0.0, s),
-            }
-        };
-        // Each feasible path keyed once: with the deadline term and without.
         let key = |p: Path| {
             let pc = f.get(p);
-            (p, -pressed(pc), objective(p, true), objective(p, false))
+            let s = score(f, p, c.weights);
+            let (with, without) = match c.slo {
+                Some(slo) => {
+                    let g = goodput(&pc, f.corunner_tpot, slo);
+                    (((g - lost(pc)) * 1000.0).round(), (g * 1000.0).round())
+                }
+                None => (0.0, 0.0),
+            };
+            (p, -pressed(pc), (with, s), (without, s))
         };
         // Pd first: it is always feasible, and wins ties.
         let pd = key(Path::Pd);
