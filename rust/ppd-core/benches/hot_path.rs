@@ -93,15 +93,31 @@ fn bench(c: &mut Criterion) {
     });
 
     // ppd-live: the same decision with the cost model's three-path forecast
-    // (and its corrections looked up) on a busy D and a queued P.
+    // (and its corrections looked up) on a busy D and a queued P; by
+    // Equation 1, and in SLO mode (goodput, D's TPOT record, the deadlines
+    // priced in requests).
+    let model = || {
+        let model = CostModel::new(ppd_core::profiles::default_profile());
+        for node in 0..8 {
+            model
+                .corrections
+                .observe_ttft(node, ppd_core::Path::Local, 64, 50.0, 60.0);
+            for k in 0..8 {
+                model
+                    .corrections
+                    .observe_tpot(node, 10.0, 11.0 + f64::from(k));
+            }
+        }
+        std::sync::Arc::new(model)
+    };
     let live_engine = DecisionEngine::new(table(), PolicyKind::Live, Weights::default());
-    let model = CostModel::new(ppd_core::profiles::default_profile());
-    for node in 0..8 {
-        model
-            .corrections
-            .observe_ttft(node, ppd_core::Path::Local, 64, 50.0, 60.0);
-    }
-    live_engine.set_cost_model(std::sync::Arc::new(model));
+    live_engine.set_cost_model(model());
+    let slo_engine = DecisionEngine::new(table(), PolicyKind::Live, Weights::default());
+    slo_engine.set_cost_model(model());
+    slo_engine.set_slo(Some(ppd_core::policy::Slo {
+        ttft_ms: 150.0,
+        tpot_ms: 15.0,
+    }));
     // Four decodes near their deadline: the deadline term weighs each path.
     let mut at_risk = ppd_core::cost::AtRisk::default();
     for i in 0..4u32 {
@@ -110,41 +126,18 @@ fn bench(c: &mut Criterion) {
             remaining_tokens: 400,
         });
     }
-    let mut l = 0u32;
-    c.bench_function("decide_ppd_live", |b| {
-        b.iter(|| {
-            l = l.wrapping_add(1);
-            let d = NodeView {
-                node: l % 4,
-                running: 40 + l % 80,
-                decode_ctx_tokens: 200_000,
-                queued_prefill_tokens: u64::from(l % 3) * 2_000,
-                waiting: l % 3,
-                ..NodeView::default()
-            };
-            let p = NodeView {
-                node: 4 + l % 4,
-                queued_prefill_tokens: u64::from(l % 5) * 4_000,
-                waiting: l % 5,
-                ..NodeView::default()
-            };
-            let input = DecisionInput {
-                conv_hash: u64::from(l),
-                pull_ready: true,
-                live: Some(LiveView {
-                    d,
-                    p: Some(p),
-                    d_cached: 2_048,
-                    p_cached: 0,
-                    mean_out_tokens: 200.0,
-                    pull_asks_pin: false,
-                    at_risk,
-                }),
-                ..DecisionInput::turn(2, 32 + (l % 900), 128, 2_048, 4.0)
-            };
-            black_box(live_engine.decide(black_box(&input)).unwrap())
-        })
-    });
+    for (name, engine) in [
+        ("decide_ppd_live", &live_engine),
+        ("decide_ppd_live_slo", &slo_engine),
+    ] {
+        let mut l = 0u32;
+        c.bench_function(name, |b| {
+            b.iter(|| {
+                l = l.wrapping_add(1);
+                black_box(engine.decide(black_box(&live_input(l, at_risk))).unwrap())
+            })
+        });
+    }
 
     let sessions = SessionTable::new(SessionConfig::default()).unwrap();
     let ids: Vec<String> = (0..100_000).map(|i| format!("{i:032x}")).collect();
@@ -198,6 +191,39 @@ pub fn node_index(conversations: u64, tokens: u64, block_size: u32) -> (BlockInd
         prompts.push(next);
     }
     (index, prompts)
+}
+
+/// A Turn 2 with a live view that varies from call to call: D's batch and
+/// P's queue, so the forecast cannot be hoisted.
+fn live_input(l: u32, at_risk: ppd_core::cost::AtRisk) -> DecisionInput {
+    let d = NodeView {
+        node: l % 4,
+        running: 40 + l % 80,
+        decode_ctx_tokens: 200_000,
+        queued_prefill_tokens: u64::from(l % 3) * 2_000,
+        waiting: l % 3,
+        ..NodeView::default()
+    };
+    let p = NodeView {
+        node: 4 + l % 4,
+        queued_prefill_tokens: u64::from(l % 5) * 4_000,
+        waiting: l % 5,
+        ..NodeView::default()
+    };
+    DecisionInput {
+        conv_hash: u64::from(l),
+        pull_ready: true,
+        live: Some(LiveView {
+            d,
+            p: Some(p),
+            d_cached: 2_048,
+            p_cached: 0,
+            mean_out_tokens: 200.0,
+            pull_asks_pin: false,
+            at_risk,
+        }),
+        ..DecisionInput::turn(2, 32 + (l % 900), 128, 2_048, 4.0)
+    }
 }
 
 criterion_group!(benches, bench);
