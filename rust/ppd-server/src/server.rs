@@ -214,7 +214,6 @@ async fn metrics(State(st): State<Arc<AppState>>, headers: axum::http::HeaderMap
     ([("content-type", content_type)], body).into_response()
 }
 
-/// Each node's residency mode, index size and KV-event counts, into the metrics.
 /// `ppd-live`'s corrections per node (those of departed nodes are gone from
 /// the cost model, so each scrape rewrites the series from it).
 fn export_model(st: &AppState) {
@@ -256,6 +255,7 @@ fn export_model(st: &AppState) {
     }
 }
 
+/// Each node's residency mode, index size and KV-event counts, into the metrics.
 fn export_residency(st: &AppState) {
     let m = &st.metrics;
     let _copy = m.kv_events_copy.lock();
