@@ -53,6 +53,9 @@ pub struct ResultLabel {
     pub result: &'static str,
 }
 
+/// A gauge of fractional values (factors, seconds, shares).
+pub type FloatGauge = Gauge<f64, std::sync::atomic::AtomicU64>;
+
 /// A node by its URL (an operator's own address, never a client's input).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct NodeLabel {
@@ -211,7 +214,7 @@ pub struct Metrics {
     pub sessions: Gauge,
     pub sessions_adopted: Family<AdoptionLabel, Counter>,
     pub nodes: Family<NodeStateLabels, Gauge>,
-    pub node_load: Family<NodeFigureLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    pub node_load: Family<NodeFigureLabels, FloatGauge>,
     pub node_restarts: Family<NodeLabel, Counter>,
     pub node_scrape_failures: Family<NodeLabel, Counter>,
     pub residency_mode: Family<NodeModeLabels, Gauge>,
@@ -221,9 +224,9 @@ pub struct Metrics {
     /// (counters only go up by the difference since the last copy).
     pub kv_events_copy: parking_lot::Mutex<()>,
     /// `ppd-live`'s corrections, rewritten from the cost model at each scrape.
-    pub model_ttft_correction: Family<CorrectionLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
-    pub model_tpot_correction: Family<NodeLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
-    pub model_tpot_level: Family<NodeLabel, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    pub model_ttft_correction: Family<CorrectionLabels, FloatGauge>,
+    pub model_tpot_correction: Family<NodeLabel, FloatGauge>,
+    pub model_tpot_level: Family<NodeLabel, FloatGauge>,
     /// Serialises those rewrites (a scrape between another's clear and
     /// refill would see nothing).
     pub model_copy: parking_lot::Mutex<()>,
@@ -371,8 +374,7 @@ impl Metrics {
         );
         let nodes = Family::<NodeStateLabels, Gauge>::default();
         registry.register("nodes", "Nodes by role and state", nodes.clone());
-        let node_load =
-            Family::<NodeFigureLabels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+        let node_load = Family::<NodeFigureLabels, FloatGauge>::default();
         registry.register(
             "node_load",
             "Each node's live load: the router's work on it and the node's own /metrics figures",
