@@ -226,6 +226,14 @@ mod tests {
         })
     }
 
+    /// [`input`] where D holds no pin to pull from.
+    fn no_pull() -> DecisionInput {
+        DecisionInput {
+            pull_ready: false,
+            ..input()
+        }
+    }
+
     fn input() -> DecisionInput {
         DecisionInput {
             pull_ready: true,
@@ -356,10 +364,7 @@ mod tests {
             at_risk: pressed(11_010.0, 1_000),
             corunner_tpot: None,
         };
-        let no_pull = DecisionInput {
-            pull_ready: false,
-            ..input()
-        };
+        let no_pull = no_pull();
         let w = Weights::new(1.0, 0.0).unwrap();
         assert_eq!(
             choose(&no_pull, Some(&f), w, None),
@@ -422,10 +427,7 @@ mod tests {
                 corunner_tpot: None,
             }
         };
-        let no_pull = DecisionInput {
-            pull_ready: false,
-            ..input()
-        };
+        let no_pull = no_pull();
         let w = Weights::default();
         // With 11,010 ms left it ends in time with a chance of 0.85
         // unstalled and 0.20 after local's stall: 0.65 of a timeout, at
@@ -488,10 +490,7 @@ mod tests {
             at_risk: AtRisk::default(),
             corunner_tpot,
         };
-        let no_pull = DecisionInput {
-            pull_ready: false,
-            ..input()
-        };
+        let no_pull = no_pull();
         let w = Weights::default();
         assert_eq!(choose(&no_pull, Some(&f(None)), w, Some(slo)).0, Path::Pd);
         assert_eq!(
